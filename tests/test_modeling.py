@@ -1,0 +1,399 @@
+"""DSparkDraftModel: saved tensors, remote-code round trip, attention mask, draft() vs training forward,
+verifier-state conventions and bad input."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModel
+
+from configuration_dspark import DSparkConfig
+from modeling_dspark import (
+    DSparkDraftCache,
+    DSparkDraftModel,
+    VerifierStateCapture,
+    build_attention_mask,
+    dspark_mask_mod,
+    positions_from_document_ids,
+    verifier_hidden_states,
+)
+from tiny import VOCAB, tiny_config, tiny_drafter
+
+LAYER_KEYS = [
+    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+]
+
+
+def saved_tensors(directory):
+    out = {}
+    for file in os.listdir(directory):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, file), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def packed_batch(verifier, drafter, seed=0):
+    """Two packed rows with several documents, padding, and anchors including a padding anchor."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=g)
+    documents = torch.tensor([[0] * 18 + [1] * 14 + [2] * 8, [0] * 35 + [-1] * 5])
+    positions = positions_from_document_ids(documents)
+    aux, last = verifier_hidden_states(verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    anchors = torch.tensor([[1, 3, 9, 18, 20, 33], [0, 2, 5, 7, 30, -1]])
+    return ids, aux, last, documents, positions, anchors
+
+
+# ------------------------------------------------------------------------------------------ saved tensors
+def test_saved_tensors_are_exactly_the_contract(tmp_path, gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    drafter.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "configuration_dspark.py", "model.safetensors",
+                                            "modeling_dspark.py"]
+    tensors = saved_tensors(tmp_path)
+    cfg = drafter.config
+    H, V, Vd, r, k = 64, VOCAB, 100, 16, len(cfg.aux_hidden_state_layer_ids)
+    expected = {
+        "fc.weight": [H, k * H], "hidden_norm.weight": [H], "norm.weight": [H], "lm_head.weight": [Vd, H],
+        "d2t": [Vd], "t2d": [V], "markov_head.markov_w1.weight": [V, r], "markov_head.markov_w2.weight": [Vd, r],
+        "confidence_head.proj.weight": [1, H + r], "confidence_head.proj.bias": [1],
+    }
+    heads, head_dim, kv_heads, mlp = 4, 16, 2, 96
+    shapes = {"input_layernorm.weight": [H], "post_attention_layernorm.weight": [H],
+              "self_attn.q_proj.weight": [heads * head_dim, H], "self_attn.k_proj.weight": [kv_heads * head_dim, H],
+              "self_attn.v_proj.weight": [kv_heads * head_dim, H], "self_attn.o_proj.weight": [H, heads * head_dim],
+              "self_attn.q_norm.weight": [head_dim], "self_attn.k_norm.weight": [head_dim],
+              "mlp.gate_proj.weight": [mlp, H], "mlp.up_proj.weight": [mlp, H], "mlp.down_proj.weight": [H, mlp]}
+    for i in range(cfg.num_hidden_layers):
+        expected.update({f"layers.{i}.{name}": shape for name, shape in shapes.items()})
+    assert {k: list(t.shape) for k, t in tensors.items()} == expected
+    for name, t in tensors.items():
+        want = {"d2t": torch.int64, "t2d": torch.bool}.get(name, torch.bfloat16)
+        assert t.dtype == want, name
+    # d2t holds offsets and lm_head the verifier's output rows of the draft vocabulary, in ascending id order
+    ids = torch.arange(Vd) + tensors["d2t"]
+    assert torch.equal(ids, drafter.draft_vocab_ids.cpu()) and bool((ids[1:] > ids[:-1]).all())
+    assert int(tensors["t2d"].sum()) == Vd and bool(tensors["t2d"][ids].all())
+    head = gemma4_verifier.get_output_embeddings().weight
+    assert torch.equal(tensors["lm_head.weight"], head[ids].to(torch.bfloat16))
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_full_vocabulary_drafter_saves_no_head_and_no_maps(tmp_path, qwen3_verifier):
+    drafter = tiny_drafter(qwen3_verifier, draft_vocab_size=None)
+    assert drafter.lm_head.weight.data_ptr() == qwen3_verifier.lm_head.weight.data_ptr()  # shared, not copied
+    drafter.save_pretrained(tmp_path)
+    tensors = saved_tensors(tmp_path)
+    assert not {"lm_head.weight", "d2t", "t2d"} & set(tensors)
+    assert all(t.dtype == torch.float32 for t in tensors.values())  # training checkpoints keep fp32 masters
+    reloaded = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    reloaded.attach_verifier(qwen3_verifier)
+    assert torch.equal(reloaded.lm_head.weight, qwen3_verifier.lm_head.weight)
+
+
+def test_seed_recipe_shapes_match_the_weights_table():
+    from test_config import seed_config
+
+    with torch.device("meta"):
+        model = DSparkDraftModel(seed_config(mask_token_id=4))
+    state = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert state["fc.weight"] == [2560, 12800]
+    assert state["layers.0.self_attn.q_proj.weight"] == [4096, 2560]
+    assert state["layers.3.self_attn.k_proj.weight"] == [1024, 2560]
+    assert state["layers.3.self_attn.o_proj.weight"] == [2560, 4096]
+    assert state["layers.2.self_attn.q_norm.weight"] == [128]
+    assert state["layers.1.mlp.gate_proj.weight"] == [8192, 2560]
+    assert state["layers.1.mlp.down_proj.weight"] == [2560, 8192]
+    assert state["lm_head.weight"] == [32000, 2560] and state["d2t"] == [32000] and state["t2d"] == [262144]
+    assert state["markov_head.markov_w1.weight"] == [262144, 256]
+    assert state["markov_head.markov_w2.weight"] == [32000, 256]
+    assert state["confidence_head.proj.weight"] == [1, 2816]
+    assert not any("embed" in k or k.startswith("verifier") for k in state)
+    floats = sum(int(torch.tensor(s).prod()) for k, s in state.items() if k not in ("d2t", "t2d"))
+    assert 0.53e9 < floats < 0.57e9  # "about 0.55B saved"
+
+
+# ------------------------------------------------------------------------------------------ loading
+def test_remote_code_round_trip_gives_identical_outputs(tmp_path, gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert type(loaded).__module__.startswith("transformers_modules")
+    assert type(loaded) is not DSparkDraftModel
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    with pytest.raises(RuntimeError, match="no verifier weights attached.*attach_verifier"):
+        loaded(ids, aux, anchors, document_ids=documents)
+    with pytest.raises(RuntimeError, match="no verifier weights attached"):
+        loaded.draft(aux[0, :10], ids[0, 10])
+    loaded.attach_verifier(gemma4_verifier)
+    loaded.eval()
+    a = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+    b = loaded(ids, aux, anchors, document_ids=documents, position_ids=positions)
+    for name in ("logits", "last_hidden_state", "confidence_logits"):
+        assert torch.equal(a[name], b[name]), name
+    pa, pb = drafter.draft(aux[0, :10], ids[0, 10]), loaded.draft(aux[0, :10], ids[0, 10])
+    assert torch.equal(pa.token_ids, pb.token_ids) and torch.equal(pa.confidence, pb.confidence)
+
+
+def test_bf16_export_round_trip(tmp_path, gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier).to(torch.bfloat16)
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+
+
+def test_attaching_the_wrong_verifier_fails(gemma4_verifier, qwen3_verifier, llama_verifier):
+    drafter = DSparkDraftModel(tiny_config(gemma4_verifier))
+    drafter.set_draft_vocab(torch.arange(100))
+    with pytest.raises(ValueError, match=r"does not fit the given verifier \(.*softcap None.*\); attach the verifier"):
+        drafter.attach_verifier(qwen3_verifier)  # same width and vocabulary, different model
+    bigger = tiny_config(llama_verifier, aux_hidden_state_layer_ids=[1, 4])
+    drafter = DSparkDraftModel(bigger)
+    drafter.set_draft_vocab(torch.arange(100))
+    from tiny import tiny_gemma4_verifier
+
+    shallow = tiny_gemma4_verifier(num_layers=3)
+    with pytest.raises(ValueError, match="3 layers"):
+        drafter.attach_verifier(shallow)
+
+
+def test_draft_vocab_errors(gemma4_verifier):
+    drafter = DSparkDraftModel(tiny_config(gemma4_verifier))
+    with pytest.raises(ValueError, match="has 99 ids but config.draft_vocab_size is 100"):
+        drafter.set_draft_vocab(torch.arange(99))
+    with pytest.raises(ValueError, match="sorted ascending without duplicates"):
+        drafter.set_draft_vocab(torch.arange(100).flip(0))
+    with pytest.raises(ValueError, match="must lie in 0..511"):
+        drafter.set_draft_vocab(torch.arange(450, 550))
+    with pytest.raises(RuntimeError, match="draft vocabulary is not set"):
+        drafter.attach_verifier(gemma4_verifier)
+
+
+def test_vocab_maps_are_inverse(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    draft = torch.arange(100)
+    ids = drafter.draft_to_verifier_ids(draft)
+    assert torch.equal(drafter.verifier_to_draft_ids(ids), draft)
+    outside = torch.tensor([i for i in range(VOCAB) if i not in set(ids.tolist())][:5])
+    assert torch.equal(drafter.verifier_to_draft_ids(outside), torch.full((5,), -1))
+
+
+# ------------------------------------------------------------------------------------------ attention mask
+def reference_mask(documents, anchors, block, window, causal):
+    """Brute force, straight from dspark-algorithm.md section 3."""
+    rows, T = documents.shape
+    N = anchors.shape[1]
+    out = torch.zeros(rows, N * block, T + N * block, dtype=torch.bool)
+    for r in range(rows):
+        for j in range(N):
+            p = int(anchors[r, j])
+            for k in range(block):
+                q = j * block + k
+                for c in range(T):
+                    ok = p >= 0 and documents[r, p] >= 0 and documents[r, c] == documents[r, p] and c < p
+                    if window is not None:
+                        ok = ok and c >= p - window
+                    out[r, q, c] = ok
+                for k2 in range(block):
+                    out[r, q, T + j * block + k2] = (k2 <= k) if causal else True
+    return out
+
+
+@pytest.mark.parametrize("window,causal", [(None, False), (None, True), (5, True), (5, False), (40, True)])
+def test_attention_mask_equals_brute_force(window, causal):
+    documents = torch.tensor([[0] * 12 + [1] * 9 + [-1] * 3, [0, 0, 0] + [1] * 10 + [2] * 11])
+    anchors = torch.tensor([[0, 4, 11, 12, 15, 20, -1], [1, 3, 4, 12, 13, 16, 23]])
+    block = 3
+    valid = anchors >= 0
+    anchor_docs = documents.gather(1, anchors.clamp(min=0)).masked_fill(~valid, -1)
+    mod = dspark_mask_mod(documents, anchors.clamp(min=0), anchor_docs, block, window, causal)
+    q, kv = anchors.shape[1] * block, documents.shape[1] + anchors.shape[1] * block
+    dense = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "sdpa", torch.float32)
+    assert dense.shape == (2, 1, q, kv) and dense.dtype == torch.bool
+    expected = reference_mask(documents, anchors, block, window, causal)
+    assert torch.equal(dense[:, 0], expected)
+    additive = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "eager", torch.float32)
+    assert torch.equal(additive[:, 0] == 0, expected)
+    assert bool(expected.any(-1).all())  # every query sees at least itself
+
+
+def test_outputs_depend_only_on_visible_context(gemma4_verifier):
+    """The mask as the model uses it: perturbing invisible verifier states changes nothing, visible ones do."""
+    drafter = tiny_drafter(gemma4_verifier, layer_types=["sliding_attention", "sliding_attention"], sliding_window=4)
+    ids, aux, _, documents, positions, _ = packed_batch(gemma4_verifier, drafter)
+    anchors = torch.tensor([[10], [25]])
+    base = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions).logits
+    for r, invisible in ((0, [10, 11, 30, 5]), (1, [25, 20, 39])):  # anchor itself, after it, other doc, window
+        changed = aux.clone()
+        changed[r, invisible] += 5.0
+        out = drafter(ids, changed, anchors, document_ids=documents, position_ids=positions).logits
+        assert torch.allclose(out, base, atol=1e-6), (r, invisible)
+    for r, visible in ((0, 9), (0, 6), (1, 21)):
+        changed = aux.clone()
+        changed[r, visible] += 5.0
+        out = drafter(ids, changed, anchors, document_ids=documents, position_ids=positions).logits
+        assert not torch.allclose(out[r], base[r], atol=1e-4), (r, visible)
+
+
+@pytest.mark.slow
+def test_flex_attention_matches_sdpa(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    with torch.no_grad():
+        sdpa = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+        drafter.config._attn_implementation = "flex_attention"
+        try:
+            flex = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+        finally:
+            drafter.config._attn_implementation = "sdpa"
+    valid = anchors >= 0
+    assert torch.allclose(sdpa.logits[valid], flex.logits[valid], atol=1e-5)
+
+
+def test_eager_matches_sdpa(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    sdpa = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+    drafter.config._attn_implementation = "eager"
+    try:
+        eager = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+    finally:
+        drafter.config._attn_implementation = "sdpa"
+    assert torch.allclose(sdpa.logits, eager.logits, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ forward semantics
+def test_blocks_are_built_as_specified(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    out = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+    B = drafter.block_size
+    assert out.logits.shape == (2, 6, B, 100) and out.confidence_logits.shape == (2, 6, B)
+    assert torch.equal(out.anchor_mask, anchors >= 0)
+    # teacher forcing: slot k is conditioned on x[p+k]
+    assert torch.equal(out.previous_token_ids[0, 2], ids[0, 9:9 + B])
+    # logits are lm_head(h) + Markov bias; the confidence head reads [h ; markov_w1[prev]]
+    h, prev = out.last_hidden_state, out.previous_token_ids
+    w1 = drafter.markov_head.markov_w1.weight[prev]
+    manual = h @ drafter.lm_head.weight.T + w1 @ drafter.markov_head.markov_w2.weight.T
+    assert torch.allclose(out.logits, manual, atol=1e-5)
+    conf = torch.cat([h, w1], -1) @ drafter.confidence_head.proj.weight[0] + drafter.confidence_head.proj.bias
+    assert torch.allclose(out.confidence_logits, conf, atol=1e-5)
+    # the anchor token and mask rows are the verifier's raw (unscaled) embedding rows
+    raw = gemma4_verifier.get_input_embeddings().weight
+    assert torch.equal(drafter.embed_tokens(torch.tensor([5, 0])), raw[[5, 0]])
+
+
+def test_gradients_reach_exactly_the_trainable_parameters(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier).train()
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    out = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+    (out.logits.logsumexp(-1).mean() + out.confidence_logits.mean()).backward()
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" not in trainable
+    assert all(drafter.get_parameter(n).grad is not None for n in trainable)
+    assert not any(p.grad is not None for p in gemma4_verifier.parameters())
+    assert sum(p.numel() for p in drafter.parameters()) < 200_000  # the verifier's tables are not inside
+
+
+def test_draft_greedy_equals_training_argmax_chain(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=g)
+    aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    B = drafter.block_size
+    for n in (1, 7, 20):
+        proposal = drafter.draft(aux[0, :n], ids[0, n])
+        # teacher-force the proposed chain: row = context, bonus, proposals; anchor at the bonus
+        row = torch.cat([ids[0, : n + 1], proposal.token_ids[: B - 1]]).unsqueeze(0)
+        row_aux = torch.cat([aux[:, :n], torch.zeros(1, row.shape[1] - n, aux.shape[-1])], dim=1)
+        out = drafter(row, row_aux, torch.tensor([[n]]))
+        argmax = out.logits[0, 0].argmax(-1)
+        assert torch.equal(argmax, proposal.draft_token_ids), n
+        assert torch.equal(drafter.draft_to_verifier_ids(argmax), proposal.token_ids)
+        assert torch.allclose(out.logits[0, 0], proposal.logits, atol=1e-5)
+        assert torch.allclose(torch.sigmoid(out.confidence_logits[0, 0]), proposal.confidence, atol=1e-6)
+        assert torch.equal(proposal.probs.argmax(-1), proposal.draft_token_ids)
+
+
+def test_draft_cache_matches_full_recompute(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    cache = DSparkDraftCache()
+    for start, end in ((0, 6), (6, 13), (13, 25)):
+        incremental = drafter.draft(aux[0, start:end], ids[0, end], cache=cache)
+        full = drafter.draft(aux[0, :end], ids[0, end])
+        assert cache.length == end
+        assert torch.equal(incremental.token_ids, full.token_ids)
+        assert torch.allclose(incremental.logits, full.logits, atol=1e-5)
+
+
+def test_draft_sampling_is_seeded_and_uses_the_returned_distribution(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    a = drafter.draft(aux[0, :10], ids[0, 10], temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    b = drafter.draft(aux[0, :10], ids[0, 10], temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.token_ids, b.token_ids)
+    assert torch.allclose(a.probs.sum(-1), torch.ones(drafter.block_size))
+    assert bool(((a.probs > 0).sum(-1) <= 5).all())  # top-k applied
+    assert bool((a.probs[torch.arange(drafter.block_size), a.draft_token_ids] > 0).all())
+
+
+# ------------------------------------------------------------------------------------------ verifier states
+@pytest.mark.parametrize("name", ["gemma4", "qwen3", "llama"])
+def test_aux_layer_id_convention_and_prenorm_capture(name, request):
+    verifier = request.getfixturevalue(f"{name}_verifier")
+    ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(6))
+    n_layers = verifier.config.get_text_config().num_hidden_layers
+    layer_ids = list(range(1, n_layers))
+    with torch.no_grad(), VerifierStateCapture(verifier, layer_ids) as capture:
+        full = verifier(input_ids=ids, output_hidden_states=True)
+    hs = full.hidden_states
+    assert len(hs) == n_layers + 1
+    H = hs[0].shape[-1]
+    aux = capture.aux_hidden_states
+    for j, layer in enumerate(layer_ids):  # id L == output_hidden_states=True index L
+        assert torch.equal(aux[..., j * H:(j + 1) * H], hs[layer]), layer
+    # the teacher input is the last layer's output *before* the final norm; HF's hs[-1] is after it
+    last = capture.last_hidden_state
+    from modeling_dspark import verifier_decoder
+
+    decoder = verifier_decoder(verifier)
+    assert not torch.allclose(last, hs[-1])
+    assert torch.allclose(decoder.norm(last), hs[-1], atol=1e-6)
+    logits = verifier.get_output_embeddings()(decoder.norm(last))
+    cap = getattr(verifier.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    assert torch.allclose(logits, full.logits, atol=1e-5)
+    # the decoder-only path (no full-vocabulary logits) captures the same states
+    aux2, last2 = verifier_hidden_states(verifier, layer_ids, ids)
+    assert torch.allclose(aux2, aux) and torch.allclose(last2, last)
+
+
+def test_aux_width_mismatch_is_explained(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    with pytest.raises(ValueError, match=r"aux hidden states have width 64 but the drafter expects 128"):
+        drafter(ids, torch.zeros(1, 10, 64), torch.tensor([[2]]))
+
+
+def test_capture_rejects_out_of_range_layers(gemma4_verifier):
+    with pytest.raises(ValueError, match="aux layer id 6 is out of range for a 6-layer verifier; use ids in 1..5."):
+        VerifierStateCapture(gemma4_verifier, [2, 6])
+
+
+def test_model_construction_requires_mask_and_aux_ids(gemma4_verifier):
+    config = tiny_config(gemma4_verifier)
+    config.mask_token_id = None
+    with pytest.raises(ValueError, match="mask_token_id is not set"):
+        DSparkDraftModel(config)
+    assert isinstance(DSparkConfig(), DSparkConfig)
