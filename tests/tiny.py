@@ -53,6 +53,20 @@ def tiny_llama_verifier(seed: int = 0, vocab_size: int = VOCAB) -> LlamaForCausa
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
+def tiny_chat_verifier(tokenizer, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random Llama over a real tokenizer's vocabulary, with a sharpened output head so its next-token
+    distributions are peaked like a trained model's (a near-uniform teacher makes every drafter look good)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
 DRAFT_OVERRIDES = dict(
     num_hidden_layers=2, block_size=4, markov_rank=16, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, intermediate_size=96, sliding_window=6,

@@ -1,0 +1,201 @@
+"""End-to-end training: `trainer/run.py` on a tiny verifier with a real chat tokenizer, checkpoints, resume,
+bad input, LoRA and a 2-process accelerate run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+from trainer.config import RunConfig
+from trainer.dspark_trainer import COMPLETE_MARKER
+from trainer.run import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
+        "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
+        "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--logging_steps", "5",
+        "--learning_rate", "3e-3", "--max_anchors", "16", "--save_total_limit", "5"]
+
+
+def config(verifier, data, out, *extra) -> RunConfig:
+    return RunConfig.load(None, ["--verifier", verifier, "--train_data", data, "--output_dir", str(out), *TINY, *extra])
+
+
+def test_tiny_run_improves_acceptance_and_writes_servable_checkpoints(chat_verifier_dir, chat_data_file, tmp_path):
+    out = tmp_path / "run"
+    summary = train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "40", "--eval_steps", "20"))
+    assert summary["global_step"] == 40
+    assert summary["eval_accept_len"] > summary["initial_eval_accept_len"] + 0.3  # measured 1.15 -> 1.78
+    assert os.path.realpath(out / "checkpoint-best") == os.path.realpath(summary["best_checkpoint"])
+    for ckpt in (out / "checkpoint-20", out / "checkpoint-40", out):
+        files = set(os.listdir(ckpt))
+        assert {"config.json", "model.safetensors", "configuration_dspark.py", "modeling_dspark.py",
+                "dspark_run_config.yaml"} <= files
+        weights = load_file(ckpt / "model.safetensors")
+        assert not any(k.startswith(("verifier", "embed")) for k in weights)
+        assert "lm_head.weight" in weights and "d2t" in weights  # draft vocabulary 500 < 49152
+        cfg = json.loads((ckpt / "config.json").read_text())
+        assert "model_type" not in cfg and cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+        drafter = AutoModel.from_pretrained(ckpt, trust_remote_code=True)
+        assert type(drafter).__module__.startswith("transformers_modules")
+    assert (out / "checkpoint-40" / COMPLETE_MARKER).exists()
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"} <= set(os.listdir(out / "checkpoint-40"))
+    saved = RunConfig.load(str(out / "checkpoint-40" / "dspark_run_config.yaml"))
+    assert saved.train.max_steps == 40 and saved.model.block_size == 4  # the run is reproducible from it
+    state = json.loads((out / "checkpoint-40" / "trainer_state.json").read_text())
+    assert state["best_metric"] == pytest.approx(max(h["eval_accept_len"] for h in state["log_history"]
+                                                     if "eval_accept_len" in h))
+    # the draft vocabulary is the most frequent supervised tokens, stored as d2t/t2d
+    drafter = AutoModel.from_pretrained(out, trust_remote_code=True)
+    assert drafter.config.draft_vocab_size == 500 and int(drafter.t2d.sum()) == 500
+
+
+def test_resume_continues_the_same_schedule(chat_verifier_dir, chat_data_file, tmp_path):
+    straight = tmp_path / "straight"
+    train(config(chat_verifier_dir, chat_data_file, straight, "--max_steps", "12", "--eval_steps", "6",
+                 "--eval_at_start", "false"))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoint-6", resumed / "checkpoint-6")
+    summary = train(config(chat_verifier_dir, chat_data_file, resumed, "--max_steps", "12", "--eval_steps", "6",
+                           "--resume_from_checkpoint", "latest"))
+    assert summary["global_step"] == 12
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+    sa = json.loads((straight / "checkpoint-12" / "trainer_state.json").read_text())
+    sb = json.loads((resumed / "checkpoint-12" / "trainer_state.json").read_text())
+    lr = lambda s: [h["learning_rate"] for h in s["log_history"] if "learning_rate" in h and h["step"] > 6]  # noqa: E731
+    assert lr(sa) == pytest.approx(lr(sb))
+
+
+def test_interrupted_save_is_ignored_on_resume(chat_verifier_dir, chat_data_file, tmp_path):
+    out = tmp_path / "run"
+    train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "8", "--eval_steps", "4",
+                 "--eval_at_start", "false"))
+    # simulate a kill while checkpoint-8 was being written: no completion marker, a truncated weight file
+    (out / "checkpoint-8" / COMPLETE_MARKER).unlink()
+    with open(out / "checkpoint-8" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    summary = train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "10", "--eval_steps", "4",
+                           "--resume_from_checkpoint", "latest"))
+    assert summary["global_step"] == 10
+    assert (out / "incomplete-checkpoint-8").is_dir()  # moved aside, never resumed from
+    AutoModel.from_pretrained(out / "checkpoint-4", trust_remote_code=True)  # the previous one stayed loadable
+
+
+def test_resume_with_a_changed_model_shape_is_refused(chat_verifier_dir, chat_data_file, tmp_path):
+    out = tmp_path / "run"
+    train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "4", "--eval_steps", "4",
+                 "--eval_at_start", "false"))
+    with pytest.raises(ValueError, match=r"cannot resume from .*checkpoint-4: the model shape changed "
+                                         r"\(block_size: 4 -> 3.*\); resume with the checkpoint's model settings"):
+        train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "8", "--block_size", "3",
+                     "--resume_from_checkpoint", "latest"))
+
+
+def test_non_finite_loss_stops_before_the_update(chat_verifier_dir, chat_data_file, tmp_path, monkeypatch):
+    import trainer.dspark_trainer as dt
+
+    real = dt.dspark_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), stats) if calls["n"] == 7 else (loss, stats)
+
+    monkeypatch.setattr(dt, "dspark_loss", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\) at step 7 on packed rows \[\d+\]; "
+                                                 r"training stopped before the update.*checkpoint-4"):
+        train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "10", "--eval_steps", "4",
+                     "--validation_ratio", "0", "--save_steps", "4", "--eval_at_start", "false"))
+    weights = load_file(out / "checkpoint-4" / "model.safetensors")
+    assert all(torch.isfinite(w.float()).all() for w in weights.values())
+
+
+def test_too_little_supervision_is_explained(chat_verifier_dir, tmp_path):
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n")
+    with pytest.raises(ValueError, match="supervised tokens, fewer than one block of 4"):
+        train(config(chat_verifier_dir, str(data), tmp_path / "run", "--max_steps", "2", "--validation_ratio", "0"))
+
+
+def test_bad_config_values_are_caught_up_front(chat_verifier_dir, chat_data_file):
+    with pytest.raises(ValueError, match="max_seq_length 512 exceeds the packing window"):
+        RunConfig.load(None, ["--verifier", "x", "--train_data", "y", "--max_seq_length", "512",
+                              "--total_seq_length", "256"])
+    with pytest.raises(ValueError, match="unknown option --learning_rat; did you mean --learning_rate?"):
+        RunConfig.load(None, ["--verifier", "x", "--train_data", "y", "--learning-rat", "1"])
+    with pytest.raises(ValueError, match="train.max_steps: expected a number"):
+        RunConfig.load(None, ["--verifier", "x", "--train_data", "y", "--max_steps", "many"])
+    with pytest.raises(ValueError, match="model.verifier is not set"):
+        RunConfig.load(None, ["--train_data", "y"])
+
+
+def test_recipes_load_and_the_seed_recipe_is_exact():
+    seed = RunConfig.load(os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml"))
+    m, d, t = seed.model, seed.data, seed.train
+    assert (m.num_hidden_layers, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim) == (
+        4, 8192, 32, 8, 128)
+    assert m.layer_types == ["sliding_attention"] * 3 + ["full_attention"] and m.sliding_window == 2048
+    assert (m.block_size, m.draft_vocab_size, m.aux_hidden_state_layer_ids) == (8, 32000, [2, 10, 20, 30, 40])
+    assert (t.num_train_epochs, t.learning_rate, t.optimizer, t.lr_scheduler_type, t.warmup_ratio) == (
+        3, 5e-4, "muon", "cosine", 0.04)
+    assert t.loss_weights == {"ce": 0.1, "tv": 0.9} and t.max_anchors == 512
+    assert (d.validation_ratio, d.max_seq_length, d.total_seq_length) == (0.04, 2560, 4096)
+    RunConfig.load(os.path.join(ROOT, "configs", "smollm2-135m.yaml"))
+
+
+def test_init_from_and_lora_adaptation_merge_into_plain_weights(chat_verifier_dir, chat_data_file, tmp_path):
+    base = tmp_path / "base"
+    train(config(chat_verifier_dir, chat_data_file, base, "--max_steps", "10", "--eval_steps", "10",
+                 "--eval_at_start", "false"))
+    adapted = tmp_path / "adapted"
+    summary = train(config(chat_verifier_dir, chat_data_file, adapted, "--init_from", str(base), "--lora_rank", "4",
+                           "--max_steps", "10", "--eval_steps", "5", "--learning_rate", "1e-2"))
+    assert summary["initial_eval_accept_len"] > 1.3  # started from the trained drafter, not from scratch
+    before, after = load_file(base / "model.safetensors"), load_file(adapted / "checkpoint-10" / "model.safetensors")
+    assert set(before) == set(after)  # merged: same keys, no lora_* or base_layer names
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all(".self_attn." in k or ".mlp." in k for k in changed)  # only adapted matrices moved
+    assert (adapted / "checkpoint-10" / "adapter" / "adapter_config.json").exists()  # kept to resume the run
+    drafter = AutoModel.from_pretrained(adapted / "checkpoint-10", trust_remote_code=True)
+    assert not any("lora" in n for n, _ in drafter.named_parameters())
+    summary = train(config(chat_verifier_dir, chat_data_file, adapted, "--init_from", str(base), "--lora_rank", "4",
+                           "--max_steps", "12", "--eval_steps", "5", "--learning_rate", "1e-2",
+                           "--resume_from_checkpoint", "latest"))
+    assert summary["global_step"] == 12
+
+
+@pytest.mark.slow
+def test_two_process_accelerate_run(chat_verifier_dir, chat_data_file, tmp_path):
+    out = tmp_path / "ddp"
+    # accelerate 1.15 starts several CPU processes through torchrun only with --multi_gpu (they use gloo on a
+    # machine without GPUs); `--cpu` alone runs a single process.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "trainer", "run.py"),
+           "--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir", str(out), *TINY,
+           "--max_steps", "6", "--eval_steps", "6", "--record_batches", "true", "--warmup_ratio", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows, checksums = {}, {}
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (out / f"batches-rank{rank}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(6)) and all(x["rank"] == rank for x in lines)
+        rows[rank] = {r for x in lines for r in x["rows"]}
+        checksums[rank] = [x["param_checksum"] for x in lines]
+    assert rows[0] and rows[1] and not rows[0] & rows[1]  # the ranks trained on different rows
+    assert checksums[0] == pytest.approx(checksums[1], rel=1e-9)  # gradients were averaged: replicas agree
+    assert len(set(checksums[0])) == 6  # and the weights did move every step
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-best"]
+    assert (out / "checkpoint-6" / COMPLETE_MARKER).exists()
+    assert "validation accept_len" in proc.stdout + proc.stderr

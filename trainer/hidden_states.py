@@ -1,0 +1,118 @@
+"""Where the verifier's hidden states come from during training.
+
+A *hidden-state source* turns a packed batch into `VerifierStates` (the aux states the drafter reads and
+the pre-norm last-layer states the teacher reads) and provides the teacher (the verifier's final norm and
+softcap). The trainer only talks to this interface, so other sources (a vLLM server, an offline cache) plug
+in by implementing `states()` and `teacher()`.
+
+The default, `InProcessVerifier`, runs a frozen Hugging Face verifier inside the training process: one
+no-grad decoder forward per batch, documents run separately (so a packed row never leaks context across
+documents, whatever attention the verifier uses), with the full-vocabulary output head skipped.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from modeling_dspark import VerifierStateCapture, verifier_decoder
+from trainer.objective import Teacher
+
+
+@dataclass
+class VerifierStates:
+    aux_hidden_states: torch.Tensor  # [R, T, k*H]
+    last_hidden_state: torch.Tensor  # [R, T, H], before the verifier's final norm
+
+
+class HiddenStateSource(ABC):
+    """Interface between the trainer and whatever produces verifier states."""
+
+    aux_layer_ids: list[int]
+
+    @abstractmethod
+    def states(self, batch: dict[str, torch.Tensor]) -> VerifierStates:
+        """States for a collated batch (`input_ids`, `document_ids`, `position_ids`, `[R, T]`)."""
+
+    @abstractmethod
+    def teacher(self) -> Teacher:
+        """The verifier's final norm and softcap, applied by the loss to `last_hidden_state`."""
+
+
+def load_verifier(name_or_path: str, dtype: str = "auto", device: str | torch.device | None = None) -> nn.Module:
+    """Load a frozen verifier for in-process hidden states: bf16 on GPU, fp32 on CPU unless `dtype` says
+    otherwise; sdpa attention (works for every verifier family, including Gemma 4's 512-wide heads)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False)
+
+
+class InProcessVerifier(HiddenStateSource):
+    """A frozen HF causal LM in the training process (replicated per rank under DDP)."""
+
+    def __init__(self, verifier: nn.Module, aux_layer_ids: list[int], max_tokens_per_forward: int = 16384):
+        self.verifier = verifier
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.max_tokens_per_forward = max_tokens_per_forward
+        text = verifier.config.get_text_config()
+        self._teacher = Teacher(verifier_decoder(verifier).norm, getattr(text, "final_logit_softcapping", None))
+        VerifierStateCapture(verifier, self.aux_layer_ids)  # validates the layer ids against this verifier
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.verifier.parameters()).device
+
+    def teacher(self) -> Teacher:
+        return self._teacher
+
+    @torch.no_grad()
+    def states(self, batch: dict[str, torch.Tensor]) -> VerifierStates:
+        input_ids, documents = batch["input_ids"], batch["document_ids"]
+        rows, length = input_ids.shape
+        segments = []  # (row, start, end) of every document
+        for r in range(rows):
+            doc = documents[r].tolist()
+            start = 0
+            for t in range(1, length + 1):
+                if t == length or doc[t] != doc[start]:
+                    if doc[start] >= 0:
+                        segments.append((r, start, t))
+                    start = t
+        device = self.device
+        aux_out = last_out = None
+        segments.sort(key=lambda s: s[2] - s[1], reverse=True)
+        i = 0
+        while i < len(segments):
+            longest = segments[i][2] - segments[i][1]
+            take = max(1, self.max_tokens_per_forward // max(longest, 1))
+            group = segments[i : i + take]
+            i += take
+            ids = torch.zeros(len(group), longest, dtype=torch.long)
+            mask = torch.zeros(len(group), longest, dtype=torch.long)
+            for g, (r, s, e) in enumerate(group):
+                ids[g, : e - s] = input_ids[r, s:e]
+                mask[g, : e - s] = 1
+            with VerifierStateCapture(self.verifier, self.aux_layer_ids) as capture:
+                verifier_decoder(self.verifier)(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+                )
+            aux, last = capture.aux_hidden_states, capture.last_hidden_state
+            if aux_out is None:
+                aux_out = aux.new_zeros(rows, length, aux.shape[-1])
+                last_out = last.new_zeros(rows, length, last.shape[-1])
+            for g, (r, s, e) in enumerate(group):
+                aux_out[r, s:e] = aux[g, : e - s]
+                last_out[r, s:e] = last[g, : e - s]
+        if aux_out is None:  # a batch of padding only
+            text = self.verifier.config.get_text_config()
+            aux_out = torch.zeros(rows, length, text.hidden_size * len(self.aux_layer_ids), device=device)
+            last_out = torch.zeros(rows, length, text.hidden_size, device=device)
+        return VerifierStates(aux_out, last_out)

@@ -1,0 +1,271 @@
+"""Train a DSpark drafter.
+
+    accelerate launch trainer/run.py --config configs/gemma-4-E4B-it.yaml [--key value ...]
+    python trainer/run.py --config configs/smollm2-135m.yaml --max_steps 50     # one process
+
+Steps: resolve the verifier and its tokenizer; render, tokenise (cached), split and pack the chat data;
+choose the draft vocabulary from the training split; load the frozen verifier in-process; build (or
+`init_from`) the drafter; train with `DSparkTrainer` (Muon + AdamW, cosine schedule, periodic evaluation
+of the teacher-forced acceptance, best checkpoint by `eval_accept_len`); save the final drafter into
+`output_dir`. The last log line reports the validation `accept_len`.
+"""
+
+import logging
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+    sys.path.insert(0, _root)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
+
+from configuration_dspark import DSparkConfig  # noqa: E402
+from modeling_dspark import DSparkDraftModel  # noqa: E402
+from trainer.config import RunConfig  # noqa: E402
+from trainer.data import (  # noqa: E402
+    DSparkCollator,
+    PackedDataset,
+    load_chat_dataset,
+    pack_conversations,
+    prepare_conversations,
+    split_train_validation,
+)
+from trainer.dspark_trainer import (  # noqa: E402
+    DSparkTrainer,
+    check_resume_compatible,
+    latest_checkpoint,
+    quarantine_incomplete,
+)
+from trainer.hidden_states import InProcessVerifier, load_verifier  # noqa: E402
+from trainer.optim import MuonAdamWFactory  # noqa: E402
+from trainer.small_models import resolve_model  # noqa: E402
+from trainer.vocab import build_draft_vocab  # noqa: E402
+
+logger = logging.getLogger("dspark")
+
+
+def parse_args(argv: list[str]) -> RunConfig:
+    config_path = None
+    rest = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise SystemExit("--config needs a YAML file, e.g. --config configs/gemma-4-E4B-it.yaml")
+            config_path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            config_path = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return RunConfig.load(config_path, rest)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    return train(config)
+
+
+def train(config: RunConfig) -> dict:
+    started = time.time()
+    m, d, t = config.model, config.data, config.train
+    transformers.set_seed(t.seed)
+    has_validation = d.validation_ratio > 0
+    args = build_training_arguments(config, has_validation)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
+                        stream=sys.stdout)
+    if not args.should_log:
+        logger.setLevel(logging.WARNING)
+
+    verifier_path = resolve_model(m.verifier)
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+
+    with args.main_process_first(desc="preparing the chat data"):
+        raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples)
+        tokenized, stats = prepare_conversations(raw, tokenizer, d.max_seq_length, num_proc=d.num_proc)
+        logger.info("data: %s", stats.summary())
+        train_set, validation_set = split_train_validation(tokenized, d.validation_ratio, d.split_seed)
+        vocab_ids = None
+        if not m.init_from and m.draft_vocab_size is not None:
+            vocab_ids = build_draft_vocab(train_set, len_vocab(verifier_path), m.draft_vocab_size)
+    check_enough_supervision(train_set, m.block_size)
+    has_validation = has_validation and len(validation_set) > 0
+
+    logger.info("loading the verifier %s (%s)", m.verifier, verifier_path)
+    verifier = load_verifier(verifier_path, dtype=m.verifier_dtype, device=args.device)
+    drafter = build_drafter(config, verifier, tokenizer, vocab_ids)
+    attn = m.attn_implementation
+    if attn == "auto":
+        attn = "flex_attention" if args.device.type == "cuda" else "sdpa"
+    drafter.config._attn_implementation = attn
+    model = drafter
+    if m.lora_rank:
+        from trainer.adapters import add_lora
+
+        model = add_lora(drafter, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("drafter: %d layers, block %d, draft vocab %d, aux layers %s, %.1fM trainable parameters",
+                drafter.config.num_hidden_layers, drafter.config.block_size, drafter.config.draft_vocab_size,
+                drafter.config.aux_hidden_state_layer_ids, trainable / 1e6)
+
+    train_rows = pack_conversations(list(train_set["length"]), d.total_seq_length, seed=d.split_seed)
+    train_data = PackedDataset(train_set, train_rows)
+    eval_data = None
+    if has_validation:
+        eval_data = PackedDataset(validation_set, pack_conversations(list(validation_set["length"]),
+                                                                      d.total_seq_length, seed=d.split_seed))
+    logger.info("packed %d training conversations into %d rows of <= %d tokens (%d validation rows)",
+                len(train_set), len(train_data), d.total_seq_length, len(eval_data) if eval_data else 0)
+
+    resume = None
+    if t.resume_from_checkpoint:
+        if args.should_save:
+            for moved in quarantine_incomplete(t.output_dir):
+                logger.warning("checkpoint %s was interrupted while saving; moved aside", moved)
+        args_barrier(args)
+        resume = latest_checkpoint(t.output_dir) if t.resume_from_checkpoint == "latest" else t.resume_from_checkpoint
+        if resume is None:
+            logger.info("no complete checkpoint in %s yet; starting from scratch", t.output_dir)
+        else:
+            check_resume_compatible(resume, drafter.config)
+            logger.info("resuming from %s", resume)
+
+    optimizer = None
+    if t.optimizer == "muon":
+        optimizer = (MuonAdamWFactory, dict(lr=t.learning_rate, muon_lr=t.muon_learning_rate,
+                                            weight_decay=t.weight_decay, muon_weight_decay=t.muon_weight_decay))
+    trainer = DSparkTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        data_collator=DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0),
+        optimizer_cls_and_kwargs=optimizer,
+        source=InProcessVerifier(verifier, drafter.config.aux_hidden_state_layer_ids,
+                                 max_tokens_per_forward=t.verifier_max_tokens_per_forward),
+        objective=config.objective(),
+        run_config=config,
+    )
+    # The initial evaluation runs inside train() (eval_on_start): calling trainer.evaluate() before train()
+    # registers the unwrapped model with accelerate, and training then silently runs without DDP.
+    trainer.args.eval_on_start = has_validation and t.eval_at_start and resume is None
+    result = trainer.train(resume_from_checkpoint=resume)
+    initial = next((h for h in trainer.state.log_history if h.get("step") == 0 and "eval_accept_len" in h), None)
+    trainer.save_model(t.output_dir)
+    trainer.update_best_link()
+    final = trainer.evaluate() if has_validation else {}
+    summary = {
+        "train_loss": result.training_loss,
+        "global_step": trainer.state.global_step,
+        "eval_accept_len": final.get("eval_accept_len"),
+        "initial_eval_accept_len": initial["eval_accept_len"] if initial else None,
+        "best_checkpoint": trainer.state.best_model_checkpoint,
+        "wall_time_s": time.time() - started,
+    }
+    if args.should_save:
+        import json
+
+        with open(os.path.join(t.output_dir, "dspark_train_summary.json"), "w") as f:
+            json.dump({**summary, "final_metrics": final}, f, indent=2)
+    if has_validation:
+        logger.warning(
+            "done: validation accept_len %.4f (initial %s) after %d steps in %.0f s; best checkpoint %s",
+            summary["eval_accept_len"], f"{summary['initial_eval_accept_len']:.4f}" if initial else "n/a",
+            summary["global_step"], summary["wall_time_s"], summary["best_checkpoint"])
+    else:
+        logger.warning("done: %d steps in %.0f s (no validation split)", summary["global_step"], summary["wall_time_s"])
+    return summary
+
+
+def build_training_arguments(config: RunConfig, has_validation: bool) -> TrainingArguments:
+    t = config.train
+    use_cpu = t.use_cpu or not torch.cuda.is_available()
+    bf16 = (not use_cpu and torch.cuda.is_bf16_supported()) if t.bf16 == "auto" else str(t.bf16).lower() == "true"
+    return TrainingArguments(
+        output_dir=t.output_dir,
+        num_train_epochs=t.num_train_epochs,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        per_device_eval_batch_size=1,  # one packed row per eval step: the stats vector is per sample
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps" if has_validation else "no",
+        eval_steps=t.eval_steps if has_validation else None,
+        save_strategy="steps",
+        save_steps=t.save_steps or t.eval_steps,
+        save_total_limit=t.save_total_limit,
+        load_best_model_at_end=has_validation,
+        metric_for_best_model="accept_len" if has_validation else None,
+        greater_is_better=True,
+        remove_unused_columns=False,
+        label_names=[],
+        report_to=[] if t.report_to in ("none", "", None) else [t.report_to],
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=bf16,
+        use_cpu=use_cpu,
+        dataloader_num_workers=t.dataloader_num_workers,
+        ddp_find_unused_parameters=False,
+        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+    )
+
+
+def build_drafter(config: RunConfig, verifier, tokenizer, vocab_ids) -> DSparkDraftModel:
+    m = config.model
+    if m.init_from:
+        drafter = DSparkDraftModel.from_pretrained(resolve_model(m.init_from), dtype=torch.float32)
+        logger.info("initialised from the drafter %s (its architecture and draft vocabulary are kept)", m.init_from)
+    else:
+        overrides = {k: getattr(m, k) for k in (
+            "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "layer_types", "sliding_window", "block_size", "aux_hidden_state_layer_ids", "draft_vocab_size",
+            "mask_token_id", "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
+            "sliding_window_non_causal") if getattr(m, k) is not None}
+        if m.markov_rank == 0:
+            overrides["confidence_head_with_markov"] = False
+        hub_id = m.verifier_id or (m.verifier if not os.path.exists(m.verifier) else None)
+        dconfig = DSparkConfig.from_verifier(verifier, verifier_name_or_path=hub_id, tokenizer=tokenizer, **overrides)
+        drafter = DSparkDraftModel(dconfig)
+        if vocab_ids is not None:
+            drafter.set_draft_vocab(vocab_ids)
+    drafter.attach_verifier(verifier)
+    return drafter.to(verifier.device)
+
+
+def len_vocab(verifier_path: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(verifier_path).get_text_config().vocab_size
+
+
+def check_enough_supervision(train_set, block_size: int) -> None:
+    supervised = sum(train_set["num_supervised"]) if len(train_set) else 0
+    if supervised < block_size:
+        raise ValueError(f"the training split has {supervised} supervised tokens, fewer than one block of "
+                         f"{block_size}; add conversations with assistant turns or lower model.block_size.")
+
+
+def args_barrier(args: TrainingArguments) -> None:
+    if args.world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
