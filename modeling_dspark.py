@@ -758,7 +758,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             confidence = self.compute_confidence(h, previous)
             if temperature and temperature > 0:
                 probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-                draft_id = torch.multinomial(probs, 1, generator=generator).view(1)
+                draft_id = torch.multinomial(probs.cpu(), 1, generator=generator).view(1).to(device)
             else:
                 draft_id = logits.argmax(dim=-1)
                 probs = F.one_hot(draft_id, logits.shape[-1]).float()
@@ -777,6 +777,126 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             confidence=torch.cat(out_conf) if out_conf else None,
             logits=torch.cat(out_logits),
         )
+
+
+    # ------------------------------------------------------------------ in-process speculative generation
+    @torch.no_grad()
+    def speculative_generate(
+        self,
+        verifier: nn.Module,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> "SpeculativeGenerationOutput":
+        """Generate with the verifier, drafting B tokens per step with this drafter (batch size 1).
+
+        Each step drafts `[d_1..d_B]` after the last committed token, scores `[last, d_1..d_B]` with one cached
+        verifier forward, and accepts the longest prefix by standard speculative sampling (`min(1, p/q)`, residual
+        resampling from `max(0, p - q)`, then a bonus token from the verifier when all drafts pass). The output is
+        the verifier's own: token-identical to greedy `generate` at temperature 0, identically distributed above.
+
+        Sampling settings default to the verifier's `generation_config` (greedy when it does not sample);
+        `temperature=0` forces greedy. Returns the sequences and the tokens committed per verification step.
+        """
+        gen = getattr(verifier, "generation_config", None)
+        sampling = bool(getattr(gen, "do_sample", False))
+        if temperature is None:
+            temperature = float(getattr(gen, "temperature", 1.0) or 1.0) if sampling else 0.0
+        if temperature > 0:
+            top_k = top_k if top_k is not None else getattr(gen, "top_k", None)
+            top_p = top_p if top_p is not None else getattr(gen, "top_p", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(gen, "eos_token_id", None)
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.shape[0] != 1:
+            raise ValueError("speculative_generate drafts for one sequence at a time; pass input_ids of shape [1, n].")
+        device = next(verifier.parameters()).device
+        input_ids = input_ids.to(device)
+        vocab = verifier.config.get_text_config().vocab_size
+        draft_ids = self.draft_vocab_ids.to(device)
+        block = self.block_size
+
+        def distribution(logits: torch.Tensor) -> torch.Tensor:
+            logits = logits.float()[..., :vocab]
+            if temperature <= 0:
+                return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+
+        capture = VerifierStateCapture(verifier, self.config.aux_hidden_state_layer_ids)
+        with capture:
+            out = verifier(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.activate_past_recording()  # sliding-window layers keep what a rejected draft must roll back
+        context = capture.aux_hidden_states[0]
+        token = sample_from(distribution(out.logits[0, -1]), generator)
+        generated = [int(token)]
+        committed: list[int] = []
+        draft_cache = DSparkDraftCache()
+        while len(generated) < max_new_tokens and generated[-1] not in eos:
+            proposal = self.draft(context, token, cache=draft_cache, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, generator=generator)
+            drafts = proposal.token_ids.to(device)
+            q = torch.zeros(block, vocab, device=device).index_copy_(1, draft_ids, proposal.probs.to(device))
+            step_ids = torch.cat([token.view(1).to(device), drafts]).unsqueeze(0)
+            with capture:
+                out = verifier(input_ids=step_ids, past_key_values=cache, use_cache=True)
+            accepted, token = speculative_accept(distribution(out.logits[0]), q, drafts, generator)
+            cache.crop(-(block - accepted))  # forget the rejected drafts' keys and values
+            context = capture.aux_hidden_states[0, : accepted + 1]  # states of `token`'s predecessors, now verified
+            committed.append(accepted + 1)
+            for t in [*drafts[:accepted].tolist(), int(token)]:
+                generated.append(t)
+                if t in eos or len(generated) >= max_new_tokens:
+                    break
+        new = torch.tensor(generated[:max_new_tokens], device=device).unsqueeze(0)
+        return SpeculativeGenerationOutput(sequences=torch.cat([input_ids, new], dim=1), committed_per_step=committed)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id from a probability vector (argmax when it is one-hot, i.e. greedy)."""
+    if bool((probs.max() == 1.0) & (probs.sum() == 1.0)):
+        return probs.argmax()
+    return torch.multinomial(probs.cpu(), 1, generator=generator).view(()).to(probs.device)
+
+
+def speculative_accept(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, torch.Tensor]:
+    """Standard speculative sampling over one block (Leviathan et al.; Chen et al.).
+
+    `target_probs` `[B+1, V]` are the verifier's (processed) distributions after the last committed token and
+    after each draft; `draft_probs` `[B, V]` the distributions the drafts were drawn from. Draft i is accepted
+    with probability `min(1, p_i(d)/q_i(d))`; at the first rejection the next token is drawn from the residual
+    `max(0, p_i - q_i)` (normalised); if all B pass, a bonus token is drawn from `p_B`. Greedy decoding is the
+    special case of one-hot p and q (exact-match acceptance). Returns `(number accepted, next token)`.
+    """
+    for i, d in enumerate(drafts.tolist()):
+        p, q = target_probs[i, d], draft_probs[i, d]
+        if p >= q:
+            continue  # min(1, p/q) = 1: accept without drawing
+        u = torch.rand((), generator=generator).item()
+        if q > 0 and u < (p / q).item():
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        if residual.sum() <= 0:
+            residual = target_probs[i]
+        return i, sample_from(residual / residual.sum(), generator)
+    return len(drafts), sample_from(target_probs[len(drafts)], generator)
+
+
+@dataclass
+class SpeculativeGenerationOutput(ModelOutput):
+    """`sequences` `[1, prompt + new]`; `committed_per_step` the tokens committed by each verification step
+    (accepted drafts + the corrected or bonus token, so 1..B+1; its mean is the acceptance length)."""
+
+    sequences: torch.LongTensor | None = None
+    committed_per_step: list[int] | None = None
 
 
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -812,6 +932,8 @@ __all__ = [
     "VerifierStateCapture",
     "verifier_hidden_states",
     "dspark_mask_mod",
+    "speculative_accept",
+    "SpeculativeGenerationOutput",
 ]
 
 DSparkConfig.register_for_auto_class()
