@@ -1,0 +1,80 @@
+"""Acceptance evaluation: metric code, prompt-set layout, the in-process backend and the results schema."""
+
+import json
+
+import pytest
+import torch
+
+from tiny import tiny_drafter
+from trainer.acceptance import (
+    SCHEMA,
+    AcceptanceStats,
+    evaluate_in_process,
+    format_table,
+    load_prompt_sets,
+    summarize,
+    write_results,
+)
+
+
+def test_metrics_against_hand_computed_values():
+    s = AcceptanceStats(block_size=3)
+    s.add([1, 4, 2], generated_tokens=8, seconds=2.0)
+    s.add([3], generated_tokens=3, seconds=1.0)
+    d = s.to_dict()
+    assert d["acceptance_length"] == pytest.approx((1 + 4 + 2 + 3) / 4)
+    # pos_k: share of steps accepting at least k+1 drafts (committed - 1 >= k + 1)
+    assert d["pos"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert d["steps"] == 4 and d["prompts"] == 2 and d["tokens_per_s"] == pytest.approx(11 / 3)
+    assert d["acceptance_length"] == pytest.approx(1 + sum(d["pos"]))  # the two views agree
+    with pytest.raises(ValueError, match="committed 5 tokens, outside 1..4"):
+        s.add([5], 5, 1.0)
+
+
+def test_weighted_and_unweighted_means():
+    subsets = {"a": {"acceptance_length": 2.0, "steps": 30}, "b": {"acceptance_length": 4.0, "steps": 10},
+               "c": {"acceptance_length": None, "steps": 0}}
+    out = summarize(subsets)
+    assert out["weighted_acceptance_length"] == pytest.approx((2 * 30 + 4 * 10) / 40)
+    assert out["unweighted_acceptance_length"] == pytest.approx(3.0) and out["total_steps"] == 40
+
+
+def test_prompt_sets_in_the_benchmark_layout(tmp_path):
+    for name, prompts in (("qa", ["a?", "b?", "c?"]), ("writing", ["w"])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    sets = load_prompt_sets(str(tmp_path), limit=2)
+    assert sets == {"writing": ["w"], "qa": ["a?", "b?"]} or sets == {"qa": ["a?", "b?"], "writing": ["w"]}
+    with pytest.raises(FileNotFoundError, match="rag.jsonl does not exist"):
+        load_prompt_sets(str(tmp_path), ["rag"])
+
+
+def test_bundled_heldout_set_has_the_nine_subsets():
+    import os
+
+    sets = load_prompt_sets(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "demo", "heldout"))
+    assert len(sets) == 9 and all(len(v) == 10 for v in sets.values())
+
+
+def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chat_verifier_dir)
+    drafter = tiny_drafter(verifier, draft_vocab_size=None, mask_token_id=0)
+    prompts = {"qa": ["What is 2+2?", "Name a colour."], "writing": ["Write a haiku."]}
+    results = evaluate_in_process(drafter, verifier, tokenizer, prompts, max_new_tokens=12, temperature=0,
+                                  throughput=True, progress=False)
+    assert results["schema"] == SCHEMA and results["block_size"] == 4 and results["sampling"] == {"temperature": 0.0}
+    for name in prompts:
+        sub = results["subsets"][name]
+        assert sub["prompts"] == len(prompts[name]) and sub["steps"] >= 1
+        assert 1.0 <= sub["acceptance_length"] <= 5.0 and len(sub["pos"]) == 4
+        assert sub["baseline_tokens_per_s"] > 0 and sub["speedup"] > 0
+    again = evaluate_in_process(drafter, verifier, tokenizer, prompts, max_new_tokens=12, temperature=0,
+                                progress=False)
+    assert again["subsets"]["qa"]["acceptance_length"] == results["subsets"]["qa"]["acceptance_length"]
+    table = write_results({**results, "drafter": "d", "verifier": "v"}, str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text())["subsets"]["qa"]["steps"] == results["subsets"]["qa"]["steps"]
+    assert "| qa |" in table and "Weighted mean acceptance length" in table
+    assert (tmp_path / "r.md").read_text().strip() == format_table(results).strip()
+    assert torch.is_tensor(drafter.lm_head.weight)

@@ -1,0 +1,472 @@
+"""`push_to_hub.py` offline: staging from a real tiny trainer run, the serving checks, the model card, and the
+upload against an injected fake `HfApi` (nothing here touches the network)."""
+
+import copy
+import json
+import re
+import os
+import shutil
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from huggingface_hub.errors import RepositoryNotFoundError
+from safetensors.torch import load_file, save_file
+
+import push_to_hub as ph
+from trainer.config import RunConfig
+from trainer.run import train
+
+VERIFIER_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REPO = "me/tiny-dspark"
+TOKEN = "hf_FAKEtoken1234567890secret"
+TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
+        "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
+        "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--logging_steps", "5",
+        "--learning_rate", "3e-3", "--max_anchors", "16", "--save_total_limit", "5"]
+BASE_FILES = {"README.md", "config.json", "configuration_dspark.py", "modeling_dspark.py", "model.safetensors"}
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def run_dir(chat_verifier_dir, chat_data_file, tmp_path_factory) -> Path:
+    """A real 4-step run: checkpoint-2, checkpoint-4, checkpoint-best and the final model in the output_dir."""
+    out = tmp_path_factory.mktemp("push") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 64-wide model gains nothing from a second thread, and loses 20x on a shared CPU
+    try:
+        train(RunConfig.load(None, ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir",
+                                    str(out), *TINY, "--max_steps", "4", "--eval_steps", "2", "--eval_at_start",
+                                    "false", "--verifier_id", VERIFIER_ID]))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def results_json(block_size: int = 4, **overrides) -> dict:
+    data = {
+        "schema": "dspark-acceptance/1", "backend": "transformers", "drafter": "run", "verifier": VERIFIER_ID,
+        "block_size": block_size, "sampling": {"temperature": 1.0, "top_p": 0.95, "top_k": 64}, "max_new_tokens": 64,
+        "concurrency": 1,
+        "dataset": "RedHatAI/speculator_benchmarks", "date": "2026-11-29", "machine": "test CPU",
+        "versions": {"transformers": "5.19.0"},
+        "subsets": {  # deliberately out of the canonical order, with one non-standard subset
+            "qa": {"acceptance_length": 1.8, "pos": [0.5, 0.2, 0.08, 0.02] + [0.0] * (block_size - 4),
+                   "steps": 300, "prompts": 10, "tokens_per_s": 50.0, "baseline_tokens_per_s": 40.0},
+            "my_subset": {"acceptance_length": 1.5, "pos": [0.3, 0.1, 0.07, 0.03] + [0.0] * (block_size - 4),
+                          "steps": 100, "prompts": 5},
+            "math_reasoning": {"acceptance_length": 2.9, "pos": [0.8, 0.6, 0.3, 0.2] + [0.0] * (block_size - 4),
+                               "steps": 200, "prompts": 10, "tokens_per_s": 80.0, "baseline_tokens_per_s": 40.0,
+                               "speedup": 2.0},
+            "writing": {"acceptance_length": None, "pos": [None] * block_size, "steps": 0, "prompts": 2,
+                        "generated_tokens": 0},  # what trainer/acceptance.py writes for a subset without steps
+        },
+        "weighted_acceptance_length": 2.15, "unweighted_acceptance_length": 2.0667, "total_steps": 600,
+        "other_drafters": {"MTP (x/y-assistant)": {"math_reasoning": {"acceptance_length": 2.5, "tokens_per_s": 70.0},
+                                                   "qa": {"acceptance_length": 2.0, "tokens_per_s": 55.0}}},
+    }
+    data.update(overrides)
+    return data
+
+
+@pytest.fixture(scope="module")
+def results_files(tmp_path_factory) -> list[Path]:
+    """A T=1 file with throughput and another drafter, and a greedy file without them (and without steps)."""
+    d = tmp_path_factory.mktemp("results")
+    sampled, greedy = d / "t1.json", d / "greedy.json"
+    sampled.write_text(json.dumps(results_json()))
+    plain = results_json(sampling={"temperature": 0.0}, other_drafters={})
+    plain.pop("weighted_acceptance_length"), plain.pop("total_steps")
+    for s in plain["subsets"].values():
+        s.pop("steps", None), s.pop("tokens_per_s", None), s.pop("baseline_tokens_per_s", None), s.pop("speedup", None)
+    greedy.write_text(json.dumps(plain))
+    return [sampled, greedy]
+
+
+@pytest.fixture(scope="module")
+def staged(run_dir, results_files, tmp_path_factory) -> ph.Staged:
+    """The output_dir staged with both results files, including the fresh-module-cache remote-code load."""
+    folder = tmp_path_factory.mktemp("staged") / "repo"
+    return ph.stage(ph.resolve_checkpoint(run_dir), folder, repo_id=REPO, eval_results=results_files)
+
+
+class FakeApi:
+    """Records the `HfApi` calls `upload` makes; any other method is an AttributeError."""
+
+    def __init__(self, tmp_path: Path, remote_verifier: str | None = None, fail: Exception | None = None):
+        self.calls, self.tmp, self.remote_verifier, self.fail = [], tmp_path, remote_verifier, fail
+        self.uploaded: dict[str, bytes] = {}
+
+    def hf_hub_download(self, repo_id, filename, revision=None, repo_type=None):
+        self.calls.append(("hf_hub_download", {"repo_id": repo_id, "filename": filename, "revision": revision}))
+        if self.remote_verifier is None:
+            raise RepositoryNotFoundError("404 Client Error: Repository Not Found", response=mock.Mock(headers={}))
+        path = self.tmp / "remote-config.json"
+        path.write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": self.remote_verifier}}}))
+        return str(path)
+
+    def create_repo(self, **kwargs):
+        self.calls.append(("create_repo", kwargs))
+
+    def create_branch(self, **kwargs):
+        self.calls.append(("create_branch", kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+        folder = Path(kwargs["folder_path"])
+        self.uploaded = {p.name: p.read_bytes() for p in folder.iterdir()}
+        if self.fail is not None:
+            raise self.fail
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/0123abcd", pr_url=None)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+class NoNetwork:
+    def __getattr__(self, name):
+        raise AssertionError(f"--dry-run touched the Hub API ({name})")
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """Upload path enabled: offline mode off, a fake token in HF_TOKEN, and the (separately tested) subprocess
+    remote-code load replaced by a recorder to keep the suite fast."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    loads = []
+    monkeypatch.setattr(ph, "check_remote_code_load", lambda folder: loads.append(Path(folder)) or {})
+    return loads
+
+
+def args(run_dir, *extra) -> list[str]:
+    return ["--checkpoint", str(run_dir), "--repo-id", REPO, *extra]
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint selection
+def test_checkpoint_resolution(run_dir, tmp_path):
+    best = ph.resolve_checkpoint(run_dir)
+    assert best.path == (run_dir / "checkpoint-best").resolve() and best.kind == "checkpoint"
+    assert ph.resolve_checkpoint(run_dir / "checkpoint-best").path == best.path  # symlink resolved
+    latest = ph.resolve_checkpoint(f"{run_dir}:latest")
+    assert (latest.path.name, latest.step) == ("checkpoint-4", 4)
+    assert ph.resolve_checkpoint(f"{run_dir}:2").path.name == "checkpoint-2"
+    final = ph.resolve_checkpoint(f"{run_dir}:final")
+    assert (final.kind, final.path, final.step) == ("final", run_dir.resolve(), best.step)
+    with pytest.raises(ph.PushError, match=r"run has no checkpoint-7; pick one of the available steps \['2', '4'\]"):
+        ph.resolve_checkpoint(f"{run_dir}:7")
+
+    copy_dir = tmp_path / "run"
+    shutil.copytree(run_dir, copy_dir, symlinks=True, ignore=shutil.ignore_patterns("optimizer.pt"))
+    (copy_dir / "checkpoint-best").unlink()
+    assert ph.resolve_checkpoint(copy_dir).kind == "final"  # no best: the run's own final model
+    (copy_dir / "config.json").unlink()
+    assert ph.resolve_checkpoint(copy_dir).path.name == "checkpoint-4"  # no final model: the latest complete one
+    (copy_dir / "checkpoint-4" / ph.COMPLETE_MARKER).unlink()
+    assert ph.resolve_checkpoint(copy_dir).path.name == "checkpoint-2"
+    with pytest.raises(ph.PushError, match=r"checkpoint-4 is an incomplete checkpoint \(no dspark_checkpoint.json"):
+        ph.resolve_checkpoint(copy_dir / "checkpoint-4")
+    with pytest.raises(ph.PushError, match="does not exist; pass a checkpoint-N directory or a training output_dir"):
+        ph.resolve_checkpoint(tmp_path / "nowhere")
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ph.PushError, match=r"is not a DSpark drafter .*; pass a checkpoint written by trainer/run.py"):
+        ph.resolve_checkpoint(other)
+
+
+# ------------------------------------------------------------------------------------------------ staging
+def test_staged_folder_is_exactly_the_contract(staged, run_dir):
+    folder = staged.folder
+    assert set(os.listdir(folder)) == BASE_FILES | {ph.PLOT_FILE}
+    assert staged.checkpoint.path == (run_dir / "checkpoint-best").resolve()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "model_type" not in config
+    assert config["speculators_config"]["verifier"]["name_or_path"] == VERIFIER_ID
+    assert config["verifier_local_path"] is None
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == config["block_size"] == 4
+    weights = load_file(folder / "model.safetensors")
+    source = load_file(staged.checkpoint.path / "model.safetensors")
+    assert set(weights) == set(source) == set(ph.contract_tensors(config))
+    assert not any(k.startswith(("verifier", "embed")) for k in weights)
+    for name, tensor in weights.items():
+        expected = {"d2t": torch.int64, "t2d": torch.bool}.get(name, torch.bfloat16)
+        assert tensor.dtype == expected, name
+        reference = source[name].to(torch.bfloat16) if source[name].is_floating_point() else source[name]
+        assert torch.equal(tensor, reference), name
+
+
+def test_staged_folder_loads_via_remote_code_in_a_fresh_module_cache(staged, tmp_path):
+    report = staged.remote_report
+    assert report["module"].startswith("transformers_modules.") and report["class"] == "DSparkDraftModel"
+    assert report["modules_cache"] != os.environ["HF_MODULES_CACHE"]  # not the suite's (already populated) cache
+    assert report["compared"] == len(load_file(staged.folder / "model.safetensors")) and not report["mismatched"]
+    broken = tmp_path / "broken"
+    shutil.copytree(staged.folder, broken)
+    (broken / "modeling_dspark.py").unlink()
+    with pytest.raises(ph.PushError, match=r"does not load with AutoModel.from_pretrained\(\.\.\., "
+                                           r"trust_remote_code=True\) in a fresh module cache"):
+        ph.check_remote_code_load(broken)
+
+
+@pytest.mark.parametrize("spec", ["output_dir", "checkpoint-best", "checkpoint-2", "final"])
+def test_stage_from_any_checkpoint_the_trainer_writes(run_dir, tmp_path, spec):
+    target = {"output_dir": run_dir, "checkpoint-best": run_dir / "checkpoint-best",
+              "checkpoint-2": f"{run_dir}:2", "final": f"{run_dir}:final"}[spec]
+    staged = ph.stage(ph.resolve_checkpoint(target), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
+    assert set(staged.files) == BASE_FILES
+    step = 2 if spec == "checkpoint-2" else staged.checkpoint.step
+    assert staged.commit_message == f"Upload DSpark drafter for {VERIFIER_ID} (step {step})"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: c.pop("sample_from_anchor"), "sample_from_anchor is missing"),
+    (lambda c: c.update(sample_from_anchor=False), "sample_from_anchor is False, not true"),
+    (lambda c: c.update(model_type="qwen3"), "top-level model_type 'qwen3' is set"),
+    (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=3),
+     "speculative_tokens 3 differs from block_size 4"),
+    (lambda c: c["speculators_config"]["proposal_methods"].clear(), "speculative_tokens is missing"),
+    (lambda c: c["speculators_config"]["verifier"].update(name_or_path="/models/llama"), "is not a Hub id"),
+    (lambda c: c.update(speculators_model_type="eagle3"), "speculators_model_type is 'eagle3', not 'dspark'"),
+    (lambda c: c.update(transformer_layer_config="qwen3"), "transformer_layer_config is not a mapping"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[2, 1]), r"aux_hidden_state_layer_ids \[2, 1\] must be"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[0, 1]), r"unique ids >= 1"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[1, 4]), r"aux layer id 4 is out of range for the 4-layer verifier"),
+    (lambda c: c["transformer_layer_config"].update(hidden_act="gelu"), "hidden_act is 'gelu', not 'silu'"),
+    (lambda c: c["transformer_layer_config"]["rope_parameters"].pop("rope_theta"), "has no rope_theta"),
+    (lambda c: c["transformer_layer_config"].pop("vocab_size"), "vocab_size is missing"),
+])
+def test_vllm_structure_checks_refuse_a_tampered_config(staged, mutate, message):
+    config = json.loads((staged.folder / "config.json").read_text())
+    tensors = load_file(staged.folder / "model.safetensors")
+    ph.check_serving_config(config, tensors)  # the staged one passes
+    bad = copy.deepcopy(config)
+    mutate(bad)
+    with pytest.raises(ph.PushError, match=rf"the staged config.json would not serve with vLLM: .*{message}"):
+        ph.check_serving_config(bad, tensors)
+    with pytest.raises(ph.PushError, match=r"d2t must be \[500\]"):
+        ph.check_serving_config(config, {k: v for k, v in tensors.items() if k != "d2t"})
+
+
+def test_nan_weights_are_refused(run_dir, tmp_path):
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(run_dir / "checkpoint-4", ckpt, ignore=shutil.ignore_patterns("optimizer.pt"))
+    weights = load_file(ckpt / "model.safetensors")
+    weights["fc.weight"][0, :3] = float("nan")
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ph.PushError, match=r"weight fc.weight has 3 non-finite values \(NaN/inf\) .*; push an "
+                                           r"earlier checkpoint"):
+        ph.stage(ph.resolve_checkpoint(ckpt), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
+
+
+def test_local_verifier_path_is_refused_with_the_fix(run_dir, tmp_path):
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(run_dir / "checkpoint-4", ckpt, ignore=shutil.ignore_patterns("optimizer.pt"))
+    config = json.loads((ckpt / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = str(tmp_path)  # an existing local directory
+    (ckpt / "config.json").write_text(json.dumps(config))
+    checkpoint = ph.resolve_checkpoint(ckpt)
+    with pytest.raises(ph.PushError, match=rf"the checkpoint names no Hub id for its verifier \(found '{tmp_path}'\); "
+                                           r"pass --verifier-id org/name\."):
+        ph.stage(checkpoint, tmp_path / "a", repo_id=REPO, remote_code_check=False)
+    with pytest.raises(ph.PushError, match=r"--verifier-id .* is not a Hub id .*; pass the verifier's id on the Hub"):
+        ph.stage(checkpoint, tmp_path / "b", repo_id=REPO, verifier_id=str(tmp_path), remote_code_check=False)
+    staged = ph.stage(checkpoint, tmp_path / "c", repo_id=REPO, verifier_id=VERIFIER_ID, remote_code_check=False)
+    assert json.loads((staged.folder / "config.json").read_text())["speculators_config"]["verifier"][
+        "name_or_path"] == VERIFIER_ID
+
+
+# ------------------------------------------------------------------------------------------------ the model card
+def test_card_metadata_tables_and_plot_come_from_the_results(staged, results_files):
+    card = ModelCard.load(staged.folder / "README.md")
+    data = card.data
+    assert data.base_model == VERIFIER_ID and data.library_name == "transformers" and data.license == "apache-2.0"
+    assert data.pipeline_tag == "text-generation"
+    assert {"speculative-decoding", "dspark", "speculators"} <= set(data.tags)
+    assert data.datasets is None  # the training data was a local file, not a Hub dataset
+    evals = {(e.dataset_config, e.metric_name): e.metric_value for e in data.eval_results}
+    assert evals[("math_reasoning", "acceptance length (T=1.0, top_p=0.95, top_k=64)")] == 2.9
+    assert evals[(None, "weighted mean acceptance length (T=1.0, top_p=0.95, top_k=64)")] == 2.15
+    assert evals[("qa", "acceptance length (greedy)")] == 1.8
+    assert all(e.dataset_name == "RedHatAI/speculator_benchmarks" and e.metric_type == "acceptance_length"
+               for e in data.eval_results)
+    text = card.text
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings == ["## Usage", "## Architecture", "## Training", "## Evaluation", "## Limitations",
+                        "## Provenance"]
+    assert "### Sampling: temperature 1.0, top_p 0.95, top_k 64" in text
+    assert "### Greedy decoding (temperature 0)" in text
+    assert "| subset | acceptance_length | pos_0 | pos_1 | pos_2 | pos_3 |" in text
+    assert "| math_reasoning | 2.900 | 80.0% | 60.0% | 30.0% | 20.0% |" in text
+    assert text.index("| math_reasoning |") < text.index("| qa |") < text.index("| my_subset |")  # canonical order
+    assert "Weighted across all subsets: 2.150 over 600 verification steps" in text
+    assert "| math_reasoning | 40.0 | 70.0 | 80.0 | 2.00× |" in text  # baseline / other drafter / this / speedup
+    assert "| average speedup | 1.00× | 1.56× | 1.62× | 1.62× |" in text
+    assert "| qa | 2.000 | 1.800 | MTP (x/y-assistant) |" in text
+    assert "step counts were not recorded, so no weighted mean" in text  # the greedy file has no steps
+    assert "Throughput was not measured in these results." in text
+    assert "- Not measured (no verification steps): writing" in text and "| writing |" not in text
+    assert f"![Per-position acceptance by subset]({ph.PLOT_FILE})" in text
+    assert "Mean acceptance length is 2.15 tokens committed per verification step over 600 steps" in text
+    assert "throughput speedup over the verifier alone of 2.00× on math_reasoning and 1.25× on qa." in text
+    assert f"vllm serve {REPO}" in text and 'revision=REVISION' in text and "speculative_generate" in text
+    assert "- Hidden size 64 (the verifier's), MLP size 128" in text  # from config.json
+    assert "Loss: {\"ce\": 0.1, \"tv\": 0.9}" in text and "conversations capped at 128 tokens" in text  # run config
+    png = (staged.folder / ph.PLOT_FILE).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 1000  # two panels wide
+
+
+def test_card_without_results_says_so(run_dir, tmp_path):
+    staged = ph.stage(ph.resolve_checkpoint(f"{run_dir}:final"), tmp_path / "repo", repo_id=REPO,
+                      remote_code_check=False)
+    assert ph.PLOT_FILE not in staged.files
+    card = ModelCard.load(staged.folder / "README.md")
+    assert card.data.eval_results is None and "model-index" not in card.content
+    assert "No evaluation results were given to this export" in card.text
+    assert "No acceptance was measured for this export" in card.text
+    assert "Weights from the run's final model" in card.text
+
+
+def test_training_section_and_datasets_follow_the_run_config(run_dir, tmp_path):
+    import yaml
+
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(run_dir / "checkpoint-4", ckpt, ignore=shutil.ignore_patterns("optimizer.pt"))
+    run_config = yaml.safe_load((ckpt / "dspark_run_config.yaml").read_text())
+    run_config["data"]["train_data"] = "HuggingFaceH4/ultrachat_200k"
+    (ckpt / "dspark_run_config.yaml").write_text(yaml.safe_dump(run_config))
+    staged = ph.stage(ph.resolve_checkpoint(ckpt), tmp_path / "a", repo_id=REPO, remote_code_check=False)
+    card = ModelCard.load(staged.folder / "README.md")
+    assert card.data.datasets == ["HuggingFaceH4/ultrachat_200k"]
+    assert "[HuggingFaceH4/ultrachat_200k](https://huggingface.co/datasets/HuggingFaceH4/ultrachat_200k)" in card.text
+    (ckpt / "dspark_run_config.yaml").unlink()
+    staged = ph.stage(ph.resolve_checkpoint(ckpt), tmp_path / "b", repo_id=REPO, remote_code_check=False)
+    card = ModelCard.load(staged.folder / "README.md")
+    assert card.data.datasets is None
+    assert "No run configuration (`dspark_run_config.yaml`) was found in the checkpoint" in card.text
+    stats_card = ModelCard.load(ph.stage(ph.resolve_checkpoint(run_dir / "checkpoint-4"), tmp_path / "c",
+                                         repo_id=REPO, remote_code_check=False).folder / "README.md")
+    assert re.search(r"- Trained on \d+ conversations \([\d,]+ supervised tokens in \d+ packed rows\)", stats_card.text)
+    assert "Run config sha256" not in staged.commit_description
+
+
+def test_bad_results_files_are_refused(run_dir, tmp_path):
+    wrong_block = tmp_path / "b8.json"
+    wrong_block.write_text(json.dumps(results_json(block_size=8)))
+    with pytest.raises(ph.PushError, match=r"b8.json were measured with block size 8 but this drafter has block size "
+                                           r"4; pass results measured for this drafter\."):
+        ph.stage(ph.resolve_checkpoint(run_dir), tmp_path / "repo", repo_id=REPO, eval_results=[wrong_block],
+                 remote_code_check=False)
+    assert not (tmp_path / "repo").exists()  # refused before anything was written
+    wrong_schema = tmp_path / "other.json"
+    wrong_schema.write_text(json.dumps({"schema": "something/2"}))
+    with pytest.raises(ph.PushError, match=r"has schema 'something/2', not 'dspark-acceptance/1'"):
+        ph.load_eval_results(wrong_schema, 4)
+    other_verifier = tmp_path / "v.json"
+    other_verifier.write_text(json.dumps(results_json(verifier="google/gemma-4-E4B-it")))
+    with pytest.raises(ph.PushError, match=r"measured with verifier google/gemma-4-E4B-it but this drafter's"):
+        ph.load_eval_results(other_verifier, 4, VERIFIER_ID)
+    other_weights = tmp_path / "w.json"
+    other_weights.write_text(json.dumps(results_json(drafter_weights_sha256="0" * 64)))
+    with pytest.raises(ph.PushError, match=r"w.json were measured on different drafter weights than this "
+                                           r"checkpoint's \(sha256 000000000000 vs [0-9a-f]{12}\); evaluate this"):
+        ph.stage(ph.resolve_checkpoint(run_dir), tmp_path / "repo", repo_id=REPO, eval_results=[other_weights],
+                 remote_code_check=False)
+    short = results_json()
+    short["subsets"]["qa"]["pos"] = [0.5, 0.2]
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    with pytest.raises(ph.PushError, match=r"subsets.qa.pos has 2 values, expected 4"):
+        ph.load_eval_results(tmp_path / "short.json", 4)
+
+
+# ------------------------------------------------------------------------------------------------ upload
+def test_upload_makes_exactly_one_commit_with_the_staged_files(run_dir, results_files, tmp_path, capsys, online):
+    api = FakeApi(tmp_path)
+    rc = ph.main(args(run_dir, "--eval-results", str(results_files[0]), "--private", "--revision", "dev"), api=api)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert api.names() == ["hf_hub_download", "create_repo", "create_branch", "upload_folder"]
+    assert api.calls[0][1] == {"repo_id": REPO, "filename": "config.json", "revision": "dev"}
+    assert api.calls[1][1] == {"repo_id": REPO, "private": True, "exist_ok": True, "repo_type": "model"}
+    assert api.calls[2][1] == {"repo_id": REPO, "branch": "dev", "exist_ok": True, "repo_type": "model"}
+    upload = api.calls[3][1]
+    assert upload["repo_id"] == REPO and upload["revision"] == "dev" and upload["create_pr"] is False
+    assert upload["commit_message"] == (f"Upload DSpark drafter for {VERIFIER_ID} (step 4, acceptance length 2.15 on "
+                                        f"RedHatAI/speculator_benchmarks)")
+    assert "Run config sha256: " in upload["commit_description"]
+    assert upload["delete_patterns"] == ph.DELETE_PATTERNS
+    assert set(api.uploaded) == BASE_FILES | {ph.PLOT_FILE}
+    assert json.loads(api.uploaded["config.json"])["speculators_config"]["verifier"]["name_or_path"] == VERIFIER_ID
+    assert online == [Path(upload["folder_path"])]  # validated (remote-code load) before the upload
+    assert not Path(upload["folder_path"]).exists()  # the staged temp folder is gone
+    assert f"in one commit: https://huggingface.co/{REPO}/commit/0123abcd" in out
+    assert TOKEN not in out + err
+
+
+def test_existing_repo_for_another_verifier_needs_force(run_dir, tmp_path, capsys, online):
+    api = FakeApi(tmp_path, remote_verifier="google/gemma-4-E4B-it")
+    assert ph.main(args(run_dir), api=api) == 1
+    err = capsys.readouterr().err
+    assert f"error: {REPO} already holds a drafter for verifier google/gemma-4-E4B-it, not {VERIFIER_ID}; push to " \
+           f"another repo, or pass --force to replace it." in err
+    assert api.names() == ["hf_hub_download"]  # refused before creating or uploading anything
+    api = FakeApi(tmp_path, remote_verifier="google/gemma-4-E4B-it")
+    assert ph.main(args(run_dir, "--force", "--create-pr"), api=api) == 0
+    assert api.names() == ["hf_hub_download", "create_repo", "upload_folder"]
+    assert api.calls[-1][1]["create_pr"] is True
+    same = FakeApi(tmp_path, remote_verifier=VERIFIER_ID)  # a new version of the same drafter needs no --force
+    assert ph.main(args(run_dir), api=same) == 0 and same.names()[-1] == "upload_folder"
+
+
+def test_failed_upload_leaves_nothing_and_says_what_to_rerun(run_dir, tmp_path, capsys, online):
+    api = FakeApi(tmp_path, fail=OSError(f"connection reset while sending Authorization: Bearer {TOKEN}"))
+    assert ph.main(args(run_dir, "--commit-message", "v1"), api=api) == 1
+    out, err = capsys.readouterr()
+    assert f"error: upload to {REPO} failed (OSError: connection reset" in err
+    assert f"nothing was committed and the staged folder was removed, so fix the cause and rerun: python " \
+           f"push_to_hub.py --checkpoint {run_dir} --repo-id {REPO} --commit-message v1" in err
+    assert api.calls[-1][1]["commit_message"] == "v1"
+    assert not Path(api.calls[-1][1]["folder_path"]).parent.exists()
+    assert TOKEN not in out + err and "Bearer ***" in err
+
+
+def test_missing_token_and_offline_mode_are_explained(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert ph.main(args(run_dir), api=NoNetwork()) == 1
+    assert "error: Hugging Face Hub offline mode is on (HF_HUB_OFFLINE=1); unset it to upload or use --dry-run " \
+           "OUT_DIR." in capsys.readouterr().err
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(ph, "get_token", lambda: None)  # no saved login either
+    assert ph.main(args(run_dir), api=NoNetwork()) == 1
+    assert "error: no Hugging Face token found; run `hf auth login` or set HF_TOKEN." in capsys.readouterr().err
+    assert ph.main(["--checkpoint", str(run_dir), "--repo-id", "no-namespace", "--dry-run", str(tmp_path / "x")]) == 1
+    assert "has no namespace; use ORG/NAME" in capsys.readouterr().err
+
+
+def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_files, tmp_path, capsys, monkeypatch):
+    loads = []
+    monkeypatch.setattr(ph, "check_remote_code_load", lambda folder: loads.append(Path(folder)) or {})
+    out_dir = tmp_path / "export"
+    for _ in range(2):  # a repeated dry run replaces its previous export
+        rc = ph.main(args(run_dir, "--eval-results", *map(str, results_files), "--dry-run", str(out_dir)),
+                     api=NoNetwork())
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+    assert set(os.listdir(out_dir)) == BASE_FILES | {ph.PLOT_FILE}
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no OUT_DIR.tmp-* or .old-* left behind
+    assert len(loads) == 2 and loads[0].name.startswith("export.tmp-")  # validated before the atomic rename
+    assert "model.safetensors" in out and f"commit to {REPO} (revision main):" in out
+    assert f"message: Upload DSpark drafter for {VERIFIER_ID} (step 4, acceptance length 2.15" in out
+    assert "nothing was uploaded" in out
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert ph.main(args(run_dir, "--dry-run", str(foreign)), api=NoNetwork()) == 1
+    assert "exists and holds other files; pass a new directory or remove it" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "mine"
