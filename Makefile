@@ -40,6 +40,9 @@ test: $(STAMP) $(SPEC_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
 		$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python scripts/demo.py $(DEMO_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 

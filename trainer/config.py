@@ -96,6 +96,7 @@ class TrainArgs:
     dataloader_num_workers: int = 0
     use_cpu: bool = False
     verifier_max_tokens_per_forward: int = 16384
+    cache_verifier_states_gb: float = 0.0  # > 0: keep each row's verifier states in memory across epochs (small runs)
     record_batches: bool = False  # write the rows each rank trains on to <output_dir>/batches-rank<r>.jsonl
 
 

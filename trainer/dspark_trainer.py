@@ -10,7 +10,8 @@ One training step (`compute_loss`):
 Evaluation returns the teacher-forced acceptance metrics (`eval_accept_len`, `eval_accept_rate`,
 `eval_pos_k`, calibration), reduced as sums across batches and processes; the best checkpoint is the one
 with the highest `eval_accept_len`. Every checkpoint directory is a servable drafter (config.json,
-model.safetensors, the remote-code files) plus the Trainer's state and `dspark_run_config.yaml`; a
+model.safetensors, the remote-code files) plus the Trainer's state, `dspark_run_config.yaml` and
+`dspark_data_stats.json`; a
 `dspark_checkpoint.json` marker, written last, says it is complete. The verifier is never saved.
 """
 
@@ -24,10 +25,11 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from modeling_dspark import DSparkDraftModel
-from trainer.hidden_states import HiddenStateSource
+from trainer.hidden_states import CachedStates, HiddenStateSource
 from trainer.objective import ObjectiveConfig, dspark_loss, reduce_stats, sample_anchors, stat_names
 
 COMPLETE_MARKER = "dspark_checkpoint.json"
+DATA_STATS_FILE = "dspark_data_stats.json"  # what the training data held (for reproducibility and the model card)
 ADAPTER_DIR = "adapter"
 SHAPE_KEYS = ("block_size", "draft_vocab_size", "aux_hidden_state_layer_ids", "markov_rank",
               "enable_confidence_head", "confidence_head_with_markov", "mask_token_id")
@@ -36,11 +38,16 @@ LAYER_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "nu
 
 
 class DSparkTrainer(Trainer):
-    def __init__(self, *args, source: HiddenStateSource, objective: ObjectiveConfig, run_config=None, **kwargs):
+    def __init__(self, *args, source: HiddenStateSource, objective: ObjectiveConfig, run_config=None,
+                 data_stats: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.source = source
+        cache_bytes = int((run_config.train.cache_verifier_states_gb if run_config else 0) * 2**30)
+        self.train_source = CachedStates(source, cache_bytes) if cache_bytes else source
+        self.eval_source = CachedStates(source, cache_bytes) if cache_bytes else source
         self.objective = objective
         self.run_config = run_config
+        self.data_stats = data_stats
         # The loss is a per-batch mean over supervised slots; let the Trainer average over accumulation steps.
         self.model_accepts_loss_kwargs = False
         self._train_stats: torch.Tensor | None = None
@@ -55,7 +62,7 @@ class DSparkTrainer(Trainer):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        states = self.source.states(inputs)
+        states = (self.train_source if model.training else self.eval_source).states(inputs)
         device = inputs["input_ids"].device
         anchors = sample_anchors(inputs["loss_mask"], inputs["document_ids"], self.objective.max_anchors,
                                  generator=None if model.training else self._eval_generator)
@@ -148,6 +155,9 @@ class DSparkTrainer(Trainer):
         model.save_pretrained(output_dir, state_dict=state_dict)
         if self.run_config is not None:
             self.run_config.save(output_dir)
+        if self.data_stats is not None:
+            with open(os.path.join(output_dir, DATA_STATS_FILE), "w") as f:
+                json.dump(self.data_stats, f, indent=2)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_checkpoint(self, model, trial) -> None:

@@ -10,6 +10,7 @@ of the teacher-forced acceptance, best checkpoint by `eval_accept_len`); save th
 `output_dir`. The last log line reports the validation `accept_len`.
 """
 
+import dataclasses
 import logging
 import os
 import sys
@@ -126,6 +127,10 @@ def train(config: RunConfig) -> dict:
                                                                       d.total_seq_length, seed=d.split_seed))
     logger.info("packed %d training conversations into %d rows of <= %d tokens (%d validation rows)",
                 len(train_set), len(train_data), d.total_seq_length, len(eval_data) if eval_data else 0)
+    data_stats = {**dataclasses.asdict(stats), "train_conversations": len(train_set),
+                  "validation_conversations": len(validation_set), "train_rows": len(train_data),
+                  "validation_rows": len(eval_data) if eval_data else 0,
+                  "train_supervised_tokens": int(sum(train_set["num_supervised"]))}
 
     resume = None
     if t.resume_from_checkpoint:
@@ -155,6 +160,7 @@ def train(config: RunConfig) -> dict:
                                  max_tokens_per_forward=t.verifier_max_tokens_per_forward),
         objective=config.objective(),
         run_config=config,
+        data_stats=data_stats,
     )
     # The initial evaluation runs inside train() (eval_on_start): calling trainer.evaluate() before train()
     # registers the unwrapped model with accelerate, and training then silently runs without DDP.
@@ -176,7 +182,7 @@ def train(config: RunConfig) -> dict:
         import json
 
         with open(os.path.join(t.output_dir, "dspark_train_summary.json"), "w") as f:
-            json.dump({**summary, "final_metrics": final}, f, indent=2)
+            json.dump({**summary, "final_metrics": final, "data": data_stats}, f, indent=2)
     if has_validation:
         logger.warning(
             "done: validation accept_len %.4f (initial %s) after %d steps in %.0f s; best checkpoint %s",
