@@ -3,8 +3,8 @@ upload against an injected fake `HfApi` (nothing here touches the network)."""
 
 import copy
 import json
-import re
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
