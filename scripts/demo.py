@@ -35,8 +35,8 @@ def run(cmd: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/demo")
-    parser.add_argument("--epochs", default="4")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="generation length in the evaluation")
+    parser.add_argument("--epochs", default="8", help="training epochs over the 243 training conversations")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="generation length in the evaluation")
     parser.add_argument("--sampled", action="store_true", help="also evaluate at the verifier's sampling settings")
     args = parser.parse_args()
     started = time.time()
@@ -51,10 +51,10 @@ def main() -> None:
 
     print(f"verifier folder: {resolve_model(VERIFIER)} ({time.time() - t:.0f} s)")
 
-    t = step("2/5 data: regenerate the 270 training responses with the verifier (greedy, reused when present)")
+    t = step("2/5 data: regenerate the 270 training responses with the verifier (greedy, 128 tokens; reused)")
     conversations = os.path.join(out, "conversations.jsonl")
     run([py, "-m", "trainer.regenerate", "--verifier", VERIFIER, "--prompts", "data/demo/prompts.jsonl",
-         "--split", "train", "--out", conversations, "--temperature", "0", "--max-new-tokens", "192"])
+         "--split", "train", "--out", conversations, "--temperature", "0", "--max-new-tokens", "128"])
     print(f"({time.time() - t:.0f} s)")
 
     t = step("3/5 train: trainer/run.py --config configs/smollm2-135m.yaml")
@@ -63,20 +63,22 @@ def main() -> None:
         print(f"reusing the trained drafter in {drafter}")
     else:
         run([py, "trainer/run.py", "--config", "configs/smollm2-135m.yaml", "--train_data", conversations,
-             "--output_dir", drafter, "--num_train_epochs", args.epochs, "--cache_verifier_states_gb", "3"])
+             "--output_dir", drafter, "--num_train_epochs", args.epochs])
     with open(os.path.join(drafter, "dspark_train_summary.json")) as f:
         summary = json.load(f)
     print(f"validation accept_len (teacher-forced) {summary['initial_eval_accept_len']:.3f} -> "
           f"{summary['eval_accept_len']:.3f} ({time.time() - t:.0f} s)")
 
-    t = step("4/5 evaluate: speculative generation on the 90 held-out prompts (greedy, lossless)")
+    t = step("4/5 evaluate: speculative generation on the 90 held-out prompts (greedy, lossless), and the "
+             "verifier alone for tokens/s")
     results = [os.path.join(out, "eval-greedy.json")]
-    run([py, "-m", "trainer.acceptance", "--drafter", drafter, "--verifier", VERIFIER, "--prompts",
-         "data/demo/heldout", "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),
+    best = os.path.join(drafter, "checkpoint-best")  # the weights push_to_hub stages, so the results pair with them
+    run([py, "-m", "trainer.acceptance", "--drafter", best, "--verifier", VERIFIER, "--prompts",
+         "data/demo/heldout", "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--throughput",
          "--out", results[0]])
     if args.sampled:
         results.append(os.path.join(out, "eval-sampled.json"))
-        run([py, "-m", "trainer.acceptance", "--drafter", drafter, "--verifier", VERIFIER, "--prompts",
+        run([py, "-m", "trainer.acceptance", "--drafter", best, "--verifier", VERIFIER, "--prompts",
              "data/demo/heldout", "--temperature", "1.0", "--max-new-tokens", str(args.max_new_tokens),
              "--out", results[1]])
     print(f"({time.time() - t:.0f} s)")

@@ -397,3 +397,17 @@ def test_model_construction_requires_mask_and_aux_ids(gemma4_verifier):
     with pytest.raises(ValueError, match="mask_token_id is not set"):
         DSparkDraftModel(config)
     assert isinstance(DSparkConfig(), DSparkConfig)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier).train()
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        drafter.zero_grad()
+        out = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+        (out.logits.logsumexp(-1).mean() + out.confidence_logits.mean()).backward()
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])

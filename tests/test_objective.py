@@ -134,7 +134,7 @@ def reference_loss(drafter, verifier, ids, positions, aux, last, anchors, cfg):
                 w = math.exp(-k / cfg.decay_gamma)
                 total = total + w * (0.1 * ce + 0.9 * tv) + 1.0 * w * bce
                 S += 1
-                chain *= float(a)
+                chain *= float(a.detach())
                 chain_greedy *= float(q.argmax() == p.argmax())
                 block.append((k, chain, chain_greedy, float(a)))
             if sup[r, j, 0]:
@@ -254,3 +254,15 @@ def test_loss_memory_is_bounded_at_gemma_vocabulary(vocab):
     slots, peak_mib = proc.stdout.split()
     assert int(slots) == 1024
     assert float(peak_mib) < 1200, f"loss peak {peak_mib} MiB"
+
+
+def test_a_batch_without_supervised_slots_gives_a_zero_loss_with_gradients(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier).train()
+    ids, positions, aux, last, _ = batch(gemma4_verifier, drafter)
+    anchors = torch.full((2, 1), -1)
+    out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+    loss, stats = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last,
+                              Teacher(verifier_decoder(gemma4_verifier).norm, 30.0), ObjectiveConfig(block_size=4))
+    loss.backward()
+    assert loss.item() == 0.0 and reduce_stats(stats, 4)["supervised_slots"] == 0
+    assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters() if p.requires_grad)

@@ -30,7 +30,7 @@ class Oracle:
         cut = int(torch.randint(0, B + 2, (1,), generator=self.g))
         if cut < B:
             tokens[cut] = (tokens[cut] + 1 + int(torch.randint(0, 50, (1,), generator=self.g))) % VOCAB
-        probs = torch.nn.functional.one_hot(tokens, VOCAB).float()
+        probs = torch.nn.functional.one_hot(tokens, self.drafter.config.draft_vocab_size).float()
         return DSparkProposal(token_ids=tokens, draft_token_ids=tokens, probs=probs, confidence=real.confidence,
                               logits=probs)
 
@@ -122,3 +122,28 @@ def test_sampled_output_follows_the_verifier_distribution():
     noise = 0.5 * sum(math.sqrt(2 * exact[k] * (1 - exact[k]) / (math.pi * n)) for k in exact)
     assert tv < 0.09, (tv, noise)
     assert any(c > 1 for c in committed)  # drafts were accepted, so both rule branches ran
+
+
+@pytest.mark.slow
+def test_greedy_identity_on_a_real_small_model(smollm2_dir, smollm2_tokenizer, monkeypatch):
+    """SmolLM2-135M-Instruct (real weights, real chat prompts): token-identical to greedy `generate`, with a random
+    drafter (mostly rejections) and with an oracle drafter (long accepted runs, full blocks)."""
+    from transformers import AutoModelForCausalLM
+
+    verifier = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval().requires_grad_(False)
+    drafter = tiny_drafter(verifier, draft_vocab_size=None, aux_hidden_state_layer_ids=[2, 15, 27],
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    prompts = ["What is the capital of France?", "Write a Python function that reverses a string.",
+               "Translate into French: good morning", "List three colours.", "Explain what a CPU does."]
+    committed = []
+    for i, prompt in enumerate(prompts):
+        ids = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                    return_tensors="pt", return_dict=True)["input_ids"]
+        ref = verifier.generate(ids, do_sample=False, max_new_tokens=24, temperature=None, top_p=None, top_k=None)
+        if i % 2:
+            monkeypatch.setattr(drafter, "draft", Oracle(drafter, ref[0].tolist(), ids.shape[1], i))
+        out = drafter.speculative_generate(verifier, ids, max_new_tokens=24, temperature=0)
+        monkeypatch.undo()
+        assert torch.equal(out.sequences, ref), prompt
+        committed += out.committed_per_step
+    assert max(committed) == drafter.block_size + 1

@@ -94,8 +94,9 @@ def format_table(results: dict) -> str:
     B = results["block_size"]
     head = "| subset | acceptance_length | " + " | ".join(f"pos_{k}" for k in range(B)) + " | steps |"
     has_speed = any("tokens_per_s" in v for v in results["subsets"].values())
+    has_baseline = any("baseline_tokens_per_s" in v for v in results["subsets"].values())
     if has_speed:
-        head += " tokens/s | baseline tokens/s | speedup |"
+        head += " tokens/s |" + (" baseline tokens/s | speedup |" if has_baseline else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, v in ordered(results["subsets"]):
         if not v.get("steps"):
@@ -103,8 +104,9 @@ def format_table(results: dict) -> str:
         row = f"| {name} | {v['acceptance_length']:.3f} | " + " | ".join(f"{p:.1%}" for p in v["pos"])
         row += f" | {v['steps']} |"
         if has_speed:
-            row += (f" {v.get('tokens_per_s', float('nan')):.1f} | {v.get('baseline_tokens_per_s', float('nan')):.1f} |"
-                    f" {v.get('speedup', float('nan')):.2f}x |")
+            row += f" {v['tokens_per_s']:.1f} |" if "tokens_per_s" in v else " - |"
+            if has_baseline:
+                row += (f" {v['baseline_tokens_per_s']:.1f} | {v['speedup']:.2f}x |" if "speedup" in v else " - | - |")
         lines.append(row)
     w, u = results.get("weighted_acceptance_length"), results.get("unweighted_acceptance_length")
     if w is not None:

@@ -229,6 +229,8 @@ def dspark_loss(
         valid_blocks = supervised[..., 0]
         bias = ((grid_pred.cumprod(-1) - grid_true.cumprod(-1)) * supervised).sum(-1)
         conf_stats = torch.stack([(pred - acceptance).abs().sum(), pred.sum(), bias[valid_blocks].sum()])
+    if S == 0:  # no supervised slot in this batch: a zero loss that still reaches every parameter (DDP)
+        total = sum((p.float().sum() for p in drafter.parameters() if p.requires_grad), torch.zeros((), device=device)) * 0.0
     loss = total / max(S, 1)
 
     with torch.no_grad():

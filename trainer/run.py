@@ -100,7 +100,10 @@ def train(config: RunConfig) -> dict:
         if not m.init_from and m.draft_vocab_size is not None:
             vocab_ids = build_draft_vocab(train_set, len_vocab(verifier_path), m.draft_vocab_size)
     check_enough_supervision(train_set, m.block_size)
-    has_validation = has_validation and len(validation_set) > 0
+    if has_validation and len(validation_set) == 0:
+        logger.warning("the validation split is empty (too few conversations); training without evaluation")
+        has_validation = False
+        args = build_training_arguments(config, has_validation)
 
     logger.info("loading the verifier %s (%s)", m.verifier, verifier_path)
     verifier = load_verifier(verifier_path, dtype=m.verifier_dtype, device=args.device)
@@ -195,6 +198,12 @@ def train(config: RunConfig) -> dict:
 
 def build_training_arguments(config: RunConfig, has_validation: bool) -> TrainingArguments:
     t = config.train
+    if t.report_to == "tensorboard":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("train.report_to is tensorboard but the tensorboard package is not installed; "
+                             "pip install tensorboard or pass --report_to none.")
     use_cpu = t.use_cpu or not torch.cuda.is_available()
     bf16 = (not use_cpu and torch.cuda.is_bf16_supported()) if t.bf16 == "auto" else str(t.bf16).lower() == "true"
     return TrainingArguments(
