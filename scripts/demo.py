@@ -70,11 +70,12 @@ def main() -> None:
           f"{summary['eval_accept_len']:.3f} ({time.time() - t:.0f} s)")
 
     t = step("4/5 evaluate: speculative generation on the 90 held-out prompts (greedy, lossless), and the "
-             "verifier alone for tokens/s")
+             "verifier alone on 3 prompts per subset for tokens/s")
     results = [os.path.join(out, "eval-greedy.json")]
     best = os.path.join(drafter, "checkpoint-best")  # the weights push_to_hub stages, so the results pair with them
     run([py, "-m", "trainer.acceptance", "--drafter", best, "--verifier", VERIFIER, "--prompts",
          "data/demo/heldout", "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--throughput",
+         "--throughput-prompts", "3",
          "--out", results[0]])
     if args.sampled:
         results.append(os.path.join(out, "eval-sampled.json"))

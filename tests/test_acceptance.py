@@ -71,7 +71,9 @@ def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path
         assert 1.0 <= sub["acceptance_length"] <= 5.0 and len(sub["pos"]) == 4
         assert sub["baseline_tokens_per_s"] > 0 and sub["speedup"] > 0
     again = evaluate_in_process(drafter, verifier, tokenizer, prompts, max_new_tokens=12, temperature=0,
-                                progress=False)
+                                throughput=True, throughput_prompts=1, progress=False)
+    # the baseline is timed on the first prompt of each subset only, and the speedup uses those same prompts
+    assert "speedup" in again["subsets"]["qa"] and again["subsets"]["qa"]["tokens_per_s"] > 0
     assert again["subsets"]["qa"]["acceptance_length"] == results["subsets"]["qa"]["acceptance_length"]
     table = write_results({**results, "drafter": "d", "verifier": "v"}, str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text())["subsets"]["qa"]["steps"] == results["subsets"]["qa"]["steps"]

@@ -47,6 +47,8 @@ class AcceptanceStats:
     seconds: float = 0.0
     baseline_tokens: int = 0
     baseline_seconds: float = 0.0
+    paired_tokens: int = 0  # drafter tokens and time on the prompts the baseline was also timed on
+    paired_seconds: float = 0.0
 
     def add(self, committed_per_step: list[int], generated_tokens: int, seconds: float) -> None:
         bad = [c for c in committed_per_step if not 1 <= c <= self.block_size + 1]
@@ -71,8 +73,8 @@ class AcceptanceStats:
             out["tokens_per_s"] = self.generated_tokens / self.seconds
         if self.baseline_seconds:
             out["baseline_tokens_per_s"] = self.baseline_tokens / self.baseline_seconds
-            if self.seconds:
-                out["speedup"] = out["tokens_per_s"] / out["baseline_tokens_per_s"]
+            if self.paired_seconds:  # same prompts for both sides of the ratio
+                out["speedup"] = (self.paired_tokens / self.paired_seconds) / out["baseline_tokens_per_s"]
         return out
 
 
@@ -158,6 +160,7 @@ def evaluate_in_process(
     top_k: int | None = None,
     top_p: float | None = None,
     throughput: bool = False,
+    throughput_prompts: int | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
@@ -177,7 +180,7 @@ def evaluate_in_process(
     total = sum(len(v) for v in prompt_sets.values())
     bar = tqdm(total=total, desc="speculating", unit="prompt", disable=not progress)
     for name, prompts in prompt_sets.items():
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]
             ids = ids.to(device)
@@ -187,7 +190,9 @@ def evaluate_in_process(
                                                top_p=settings.get("top_p"), generator=g)
             elapsed = time.perf_counter() - start
             stats[name].add(out.committed_per_step, out.sequences.shape[1] - ids.shape[1], elapsed)
-            if throughput:
+            if throughput and (throughput_prompts is None or index < throughput_prompts):
+                stats[name].paired_tokens += out.sequences.shape[1] - ids.shape[1]
+                stats[name].paired_seconds += elapsed
                 start = time.perf_counter()
                 kwargs = dict(do_sample=settings["temperature"] > 0, max_new_tokens=max_new_tokens,
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
@@ -279,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--throughput", action="store_true", help="also time the verifier alone (concurrency 1)")
+    parser.add_argument("--throughput-prompts", type=int, default=None,
+                        help="time the verifier alone on the first N prompts of each subset only (speedup is computed "
+                             "on those same prompts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results JSON (a Markdown table is written beside it)")
     args = parser.parse_args(argv)
@@ -301,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_sets = load_prompt_sets(args.prompts, args.subsets.split(",") if args.subsets else None, args.max_prompts)
     results = evaluate_in_process(drafter, verifier, tokenizer, prompt_sets, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  throughput=args.throughput, seed=args.seed)
+                                  throughput=args.throughput, throughput_prompts=args.throughput_prompts,
+                                  seed=args.seed)
     results = provenance(results, args.drafter, drafter.config.verifier_name_or_path or verifier_name, args.prompts)
     print(write_results(results, args.out))
     return results
