@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from tiny import tiny_drafter
 from trainer.acceptance import (
@@ -79,4 +78,3 @@ def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path
     assert json.loads((tmp_path / "r.json").read_text())["subsets"]["qa"]["steps"] == results["subsets"]["qa"]["steps"]
     assert "| qa |" in table and "Weighted mean acceptance length" in table
     assert (tmp_path / "r.md").read_text().strip() == format_table(results).strip()
-    assert torch.is_tensor(drafter.lm_head.weight)

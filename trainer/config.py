@@ -13,6 +13,7 @@ Command-line overrides win over the YAML: `--key value` or `--key=value`, where 
 
 import dataclasses
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -240,7 +241,7 @@ def _coerce(value, hint, where: str):
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if value is None:
         return None
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         for a in args:
             try:
                 return _coerce(value, a, where)

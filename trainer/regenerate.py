@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trainer.data import load_chat_dataset, normalize_messages  # noqa: E402
+from trainer.data import normalize_messages  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
 
 
@@ -36,8 +36,12 @@ def prompt_rows(source: str, split: str | None = None, max_samples: int | None =
     if source.endswith(".jsonl") and os.path.isfile(source):
         with open(source, encoding="utf-8") as f:
             raw = [json.loads(line) for line in f if line.strip()]
-    else:
-        raw = list(load_chat_dataset(source))
+    else:  # a Hub dataset or local files: prompts-only sets are fine here, unlike for training
+        from datasets import load_dataset
+
+        raw = list(load_dataset(source, split="train")) if not os.path.exists(source) else \
+            list(load_dataset("json" if source.endswith((".json", ".jsonl")) else "parquet", data_files=source,
+                              split="train"))
     rows = []
     for i, row in enumerate(raw):
         if split and row.get("split", split) != split:
