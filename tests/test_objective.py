@@ -136,7 +136,7 @@ def reference_loss(drafter, verifier, ids, positions, aux, last, anchors, cfg):
                 S += 1
                 chain *= float(a.detach())
                 chain_greedy *= float(q.argmax() == p.argmax())
-                block.append((k, chain, chain_greedy, float(a)))
+                block.append((k, chain, chain_greedy, float(a.detach())))
             if sup[r, j, 0]:
                 rows.append(block)
     accept_len = sum(1 + sum(e[1] for e in b if e[1] is not None) for b in rows) / len(rows)
@@ -163,7 +163,7 @@ def test_loss_and_metrics_equal_reference_formulas(gemma4_verifier, chunk_elemen
         gemma4_verifier.float()
     metrics = reduce_stats(stats, cfg.block_size)
     assert metrics["supervised_slots"] == S > 10
-    assert loss.item() == pytest.approx(float(ref_loss), rel=1e-6)
+    assert loss.item() == pytest.approx(float(ref_loss.detach()), rel=1e-6)
     assert metrics["accept_len"] == pytest.approx(ref_len, rel=1e-6)
     assert metrics["greedy_accept_len"] == pytest.approx(ref_greedy, rel=1e-6)
     for k in range(cfg.block_size):
