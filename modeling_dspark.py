@@ -371,12 +371,6 @@ class DSparkDraftCache:
         self.values: list[torch.Tensor] = []
         self.length = 0
 
-    def crop(self, length: int) -> None:
-        """Forget context beyond `length` tokens (e.g. after a rollback)."""
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
-        self.length = min(self.length, length)
-
 
 # ================================================================================================
 # 5. The model.
