@@ -57,17 +57,44 @@ DEFAULT_LAYER_CONFIG: dict[str, Any] = {
 # Keys that may be passed flat to `DSparkConfig(...)`/`from_verifier(...)` and belong to the layers.
 LAYER_KEYS = frozenset(DEFAULT_LAYER_CONFIG) - {"model_type", "tie_word_embeddings", "use_sliding_window"}
 
+# The drafter's architecture, declared once: every choice a recipe may make about the drafter's shape and
+# behaviour (flat names; the layer fields live in `transformer_layer_config`). `from_verifier(**overrides)`
+# takes them, the trainer's run config (`trainer/config.py`, section `model`) has one field per key and
+# passes exactly these on, and `DSparkConfig.architecture()` reads them back (for `init_from`).
+ARCHITECTURE_KEYS = (
+    "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "layer_types", "sliding_window", "block_size", "aux_hidden_state_layer_ids", "draft_vocab_size",
+    "mask_token_id", "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
+    "sliding_window_non_causal",
+)
+# `config.json` keys (dotted for nested ones) that describe where and with what a drafter was saved, not the
+# drafter itself: two configs that differ only here are the same drafter (resuming compares everything else).
+RUNTIME_ONLY_KEYS = frozenset({
+    "transformers_version", "dtype", "use_cache", "verifier_local_path", "architectures", "auto_map", "speculators_version",
+    "speculators_config.verifier.name_or_path", "speculators_config.verifier.architectures",
+})
+
 # Generic PreTrainedConfig keys that mean nothing for a drafter and are not part of the contract.
 _NOISE_KEYS = (
     "model_type", "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
     "id2label", "label2id", "problem_type", "output_attentions", "_name_or_path",
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_ID = re.compile(r"^(\b[\w\-.]+\b/)?\b[\w\-.]+\b$")
 
 
 def is_hub_id(name: str | None) -> bool:
-    """True for strings shaped like a Hub repo id (`org/name`) that are not an existing local path."""
-    return bool(name) and _HUB_ID.match(name) is not None and ".." not in name and not os.path.exists(name)
+    """True for a valid Hub repo id (`org/name` or `name`) that is not also an existing local path.
+
+    This is what vLLM accepts as `speculators_config.verifier.name_or_path`: a local directory there would be
+    loaded instead of the Hub repo, and users of a pushed drafter don't have it. The rules are the Hub's own
+    (`huggingface_hub.utils.validate_repo_id`: word characters, `-` and `.`, at most one `/`, no `--` or `..`,
+    no `.git` suffix, at most 96 characters), restated here because remote code imports only the stdlib,
+    torch and transformers."""
+    if not isinstance(name, str) or not name or len(name) > 96 or _HUB_ID.match(name) is None:
+        return False
+    if "--" in name or ".." in name or name.endswith(".git"):
+        return False
+    return not os.path.lexists(name)
 
 
 class DSparkConfig(PreTrainedConfig):
@@ -176,6 +203,11 @@ class DSparkConfig(PreTrainedConfig):
         """True when the draft vocabulary is a strict subset of the verifier's (d2t/t2d and lm_head saved)."""
         return self.draft_vocab_size < self.vocab_size
 
+    def architecture(self) -> dict[str, Any]:
+        """The `ARCHITECTURE_KEYS` values of this drafter (layer fields read from `transformer_layer_config`)."""
+        layer = self.transformer_layer_config
+        return {k: copy.deepcopy(layer[k] if k in LAYER_KEYS else getattr(self, k)) for k in ARCHITECTURE_KEYS}
+
     def layer_config(self):
         """The draft decoder layers' config as a `Qwen3Config` (what the Qwen3 building blocks read)."""
         from transformers import Qwen3Config
@@ -241,19 +273,10 @@ class DSparkConfig(PreTrainedConfig):
                 "confidence_head_with_markov=False."
             )
         aux = self.aux_hidden_state_layer_ids
+        snap = self.verifier_text_config or {}
         if aux is not None:
-            if not aux:
-                raise ValueError("aux_hidden_state_layer_ids is empty; list at least one verifier layer id.")
-            if any(b <= a for a, b in zip(aux, aux[1:])):
-                raise ValueError(
-                    f"aux_hidden_state_layer_ids {aux} must be strictly ascending without duplicates; "
-                    f"use {sorted(set(aux))}."
-                )
-        snap = self.verifier_text_config
+            check_aux_layer_ids(aux, snap.get("num_hidden_layers"))
         if snap:
-            v_layers = snap.get("num_hidden_layers")
-            if aux is not None and v_layers is not None:
-                check_aux_layer_ids(aux, v_layers)
             v_hidden = snap.get("hidden_size")
             if v_hidden is not None and (self.target_hidden_size or hidden) != v_hidden:
                 raise ValueError(
@@ -410,17 +433,27 @@ def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
     return ids
 
 
-def check_aux_layer_ids(ids: list[int], num_verifier_layers: int) -> None:
-    """Aux ids must be ascending, unique and in 1..L-1 (id L is the last layer, which vLLM appends itself)."""
+def check_aux_layer_ids(ids: list[int], num_verifier_layers: int | None = None) -> None:
+    """The one check of aux layer ids: a non-empty, strictly ascending list of integer ids, each in 1..L-1 for an
+    L-layer verifier when L is known (id L is the last layer, which vLLM appends itself; id 0 is the embedding)."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"aux_hidden_state_layer_ids {ids!r} is empty or not a list; list at least one verifier "
+                         f"layer id, e.g. [2, 10, 20].")
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"aux_hidden_state_layer_ids {list(ids)} must hold integer layer ids; write them as numbers.")
     for i in ids:
-        if not 1 <= i <= num_verifier_layers - 1:
+        if num_verifier_layers is not None and not 1 <= i <= num_verifier_layers - 1:
             raise ValueError(
                 f"aux layer id {i} is out of range for a {num_verifier_layers}-layer verifier; "
                 f"use ids in 1..{num_verifier_layers - 1}."
             )
+        if i < 1:
+            raise ValueError(f"aux layer id {i} is not a decoder layer (ids start at 1; 0 is the embedding output); "
+                             f"use ids >= 1.")
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise ValueError(
-            f"aux_hidden_state_layer_ids {ids} must be strictly ascending without duplicates; use {sorted(set(ids))}."
+            f"aux_hidden_state_layer_ids {list(ids)} must be strictly ascending without duplicates; "
+            f"use {sorted(set(ids))}."
         )
 
 

@@ -12,9 +12,14 @@ hidden states of every token verified so far (the *context*), and a block of que
     logits = lm_head(norm(h)) + markov_w2 . markov_w1[previous token]   over the draft vocabulary, no softcap
     conf   = sigmoid(w . [h ; markov_w1[previous token]] + b)           P(slot accepted | earlier slots accepted)
 
-The file reads top to bottom: attention mask, capture of the verifier's states, the building blocks,
-the model (training `forward`, serving-time `draft`). The parameter names and the saved tensors follow
-the speculators checkpoint format that vLLM serves (see the package README).
+Slot k of the block anchored at position p predicts token p+k+1; its Markov bias is conditioned on the token
+before it (x[p+k] in training, the previously proposed token when drafting).
+
+The file reads top to bottom like a transformers modeling file: helpers (the attention-mask predicate,
+document segments, sampling, the capture of the verifier's states), the building blocks, the outputs and the
+draft cache, the pretrained base, the serving-time drafting and speculative generation (a mixin), and the
+model itself (training `forward`, heads, verifier weights). Parameter names and saved tensors follow the
+speculators checkpoint format that vLLM serves, so an exported drafter loads there unchanged.
 """
 
 from collections.abc import Callable, Sequence
@@ -43,7 +48,7 @@ except ImportError:  # imported as a top-level module (the package layout) rathe
 
 
 # ================================================================================================
-# 1. The attention mask (dspark-algorithm section 3): one predicate, evaluated densely or by flex.
+# 1. The attention mask: one predicate, evaluated densely (sdpa/eager) or by flex attention.
 # ================================================================================================
 def dspark_mask_mod(
     context_document_ids: torch.Tensor,
@@ -61,9 +66,11 @@ def dspark_mask_mod(
     * context index `c` iff `c` is in the same document, `c < anchor` (the anchor's own verifier state does
       not exist yet at serving time) and, for sliding layers, `c >= anchor - sliding_window`;
     * its own block: every slot (full layers / non-causal) or slots `<= k` (sliding layers, causal);
-    * nothing else. Padding blocks see only their own block, so no row is ever fully masked.
+    * nothing else (no other block, so packed blocks train exactly as they are drafted, one at a time).
+      Padding blocks see only their own block, so no row is ever fully masked.
 
-    The same function builds the dense sdpa/eager mask (broadcast indices) and flex's `BlockMask`.
+    The same function builds the dense sdpa/eager mask (broadcast indices) and flex's `BlockMask`, so the
+    backends cannot disagree on what is visible.
     """
     context_len = context_document_ids.shape[-1]
 
@@ -110,8 +117,105 @@ def build_attention_mask(
     return torch.zeros(dense.shape, dtype=dtype, device=device).masked_fill_(~dense, torch.finfo(dtype).min)
 
 
+def _attention_backend(config) -> str:
+    """The attention backend named by `config._attn_implementation` (sdpa when unset).
+
+    Read at call time by both the mask builder and the layers, so setting
+    `drafter.config._attn_implementation` after construction switches both together.
+    """
+    return config._attn_implementation or "sdpa"
+
+
 # ================================================================================================
-# 2. The verifier's hidden states (layer-id convention and pre-norm capture).
+# 2. Document segments of packed rows (the one home of "where does each document start").
+# ================================================================================================
+def index_within_runs(values: torch.Tensor) -> torch.Tensor:
+    """`[R, T]` -> `[R, T]`: the index of each element within its run of equal consecutive values.
+
+    `[[7, 7, 7, 2, 2, 7]]` -> `[[0, 1, 2, 0, 1, 0]]`. A run restarts wherever the value changes, so a value
+    that reappears later starts a new run (packed documents are contiguous, so this is "position within the
+    document"). Vectorised: the start index of the current run is a running max over the run starts.
+    """
+    rows, length = values.shape
+    index = torch.arange(length, device=values.device).expand(rows, length)
+    starts = torch.ones_like(values, dtype=torch.bool)
+    starts[:, 1:] = values[:, 1:] != values[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
+
+
+def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 at every document boundary of a packed row (`[R, T]`)."""
+    return index_within_runs(document_ids)
+
+
+def document_segments(document_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """`(row, start, end)` of every document (run of equal ids `>= 0`) of packed rows `[R, T]`, `end` exclusive.
+
+    Row-major, left to right; padding runs (id `-1`) are skipped. Used to run each document through the
+    verifier on its own, so no state leaks across the documents of a packed row.
+    """
+    rows, length = document_ids.shape
+    if rows == 0 or length == 0:
+        return []
+    row, start = (index_within_runs(document_ids) == 0).nonzero(as_tuple=True)  # run starts, row-major
+    same_row_next = torch.zeros_like(row, dtype=torch.bool)
+    same_row_next[:-1] = row[1:] == row[:-1]
+    end = torch.where(same_row_next, start.roll(-1), torch.full_like(start, length))
+    keep = document_ids[row, start] >= 0
+    return list(zip(row[keep].tolist(), start[keep].tolist(), end[keep].tolist()))
+
+
+# ================================================================================================
+# 3. Sampling: filtering, drawing, defaults from a generation config.
+# ================================================================================================
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering on the last dim; removed entries become -inf."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id from a probability vector (argmax when it is one-hot, i.e. greedy)."""
+    if bool((probs.max() == 1.0) & (probs.sum() == 1.0)):
+        return probs.argmax()
+    return torch.multinomial(probs.cpu(), 1, generator=generator).view(()).to(probs.device)
+
+
+def sampling_defaults(
+    generation_config, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None
+) -> dict:
+    """`{"temperature", "top_k", "top_p"}` to decode with: explicit arguments win, the verifier's
+    `generation_config` (may be None) fills in the rest.
+
+    * `temperature=None` -> the config's temperature (1.0 when it has none) if the config samples
+      (`do_sample`), else 0.0 (greedy). An explicit 0 forces greedy.
+    * `top_k` / `top_p` -> the argument, else the config's value, but only when sampling (temperature > 0);
+      greedy decoding ignores them, so they are None then.
+    """
+    if temperature is None:
+        sampling = bool(getattr(generation_config, "do_sample", False))
+        temperature = float(getattr(generation_config, "temperature", 1.0) or 1.0) if sampling else 0.0
+    temperature = float(temperature)
+    if temperature <= 0:
+        return {"temperature": temperature, "top_k": None, "top_p": None}
+    return {
+        "temperature": temperature,
+        "top_k": top_k if top_k is not None else getattr(generation_config, "top_k", None),
+        "top_p": top_p if top_p is not None else getattr(generation_config, "top_p", None),
+    }
+
+
+# ================================================================================================
+# 4. The verifier's hidden states (layer-id convention and pre-norm capture).
 # ================================================================================================
 def verifier_decoder(verifier: nn.Module) -> nn.Module:
     """The verifier's text decoder stack (the module holding `.layers` and the final `.norm`).
@@ -192,7 +296,7 @@ def verifier_hidden_states(
 
 
 # ================================================================================================
-# 3. Building blocks.
+# 5. Building blocks.
 # ================================================================================================
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
@@ -204,24 +308,32 @@ class DSparkAttention(nn.Module):
     Parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`) are Qwen3's, so vLLM
     loads them into its own DSpark layer. The context K/V do not depend on the block, so they are
     computed by `project_context` (once per layer per forward, or incrementally by a draft cache).
+
+    `config` is the drafter's own (live) `DSparkConfig`: the attention backend is read from it on every
+    call, so `drafter.config._attn_implementation = ...` after construction takes effect. `layer_config`
+    is its Qwen3 view (`DSparkConfig.layer_config()`, a copy), read only for sizes at construction.
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config: DSparkConfig, layer_config, layer_idx: int):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.head_dim = layer_config.head_dim
+        self.num_key_value_groups = layer_config.num_attention_heads // layer_config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
+        self.attention_dropout = layer_config.attention_dropout
         self.is_causal = False  # the mask is always explicit
-        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == SLIDING else None
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        is_sliding = layer_config.layer_types[layer_idx] == SLIDING
+        self.sliding_window = layer_config.sliding_window if is_sliding else None
+        bias = layer_config.attention_bias
+        hidden, heads = layer_config.hidden_size, layer_config.num_attention_heads
+        kv_heads = layer_config.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=layer_config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=layer_config.rms_norm_eps)
 
     def _keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         shape = (*x.shape[:-1], -1, self.head_dim)
@@ -239,7 +351,6 @@ class DSparkAttention(nn.Module):
         context_kv: tuple[torch.Tensor, torch.Tensor],
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask,
-        attn_implementation: str,
     ) -> torch.Tensor:
         cos, sin = position_embeddings
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -247,7 +358,8 @@ class DSparkAttention(nn.Module):
         block_key, block_value = self._keys_values(hidden_states, cos, sin)
         key = torch.cat([context_kv[0].to(block_key.dtype), block_key], dim=2)
         value = torch.cat([context_kv[1].to(block_value.dtype), block_value], dim=2)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, eager_attention_forward)
+        backend = _attention_backend(self.config)  # the live value, not the layer-config copy's
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(backend, eager_attention_forward)
         output, _ = attention(
             self,
             query,
@@ -261,20 +373,23 @@ class DSparkAttention(nn.Module):
 
 
 class DSparkDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm Qwen3 decoder layer over the block; the context enters only through attention K/V."""
+    """Pre-norm Qwen3 decoder layer over the block; the context enters only through attention K/V.
 
-    def __init__(self, config, layer_idx: int):
+    Arguments are passed positionally so gradient checkpointing (`GradientCheckpointingLayer`) replays them.
+    """
+
+    def __init__(self, config: DSparkConfig, layer_config, layer_idx: int):
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        self.self_attn = DSparkAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layer_type = layer_config.layer_types[layer_idx]
+        self.self_attn = DSparkAttention(config, layer_config, layer_idx)
+        self.mlp = Qwen3MLP(layer_config)
+        self.input_layernorm = Qwen3RMSNorm(layer_config.hidden_size, eps=layer_config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(layer_config.hidden_size, eps=layer_config.rms_norm_eps)
 
-    def forward(self, hidden_states, context_kv, position_embeddings, attention_mask, attn_implementation):
+    def forward(self, hidden_states, context_kv, position_embeddings, attention_mask):
         residual = hidden_states
         hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), context_kv, position_embeddings, attention_mask, attn_implementation
+            self.input_layernorm(hidden_states), context_kv, position_embeddings, attention_mask
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -285,11 +400,21 @@ class DSparkLMHead(nn.Module):
 
     Not an `nn.Linear` on purpose: it is initialised to NaN, so a drafter used without its verifier
     weights fails loudly instead of drafting from random rows.
+
+    Frozen by construction: every parameter registered here is set to `requires_grad=False`, whoever
+    installs it. `from_pretrained` and `load_state_dict(assign=True)` replace parameters with fresh,
+    trainable ones, and `attach_verifier` may install the verifier's own head; none of these may make the
+    verifier's rows train.
     """
 
     def __init__(self, hidden_size: int, draft_vocab_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(draft_vocab_size, hidden_size), requires_grad=False)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param.requires_grad_(False)
+        super().register_parameter(name, param)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Compute in the head's dtype: casting a shared full-vocabulary verifier head per call would copy it.
@@ -297,15 +422,27 @@ class DSparkLMHead(nn.Module):
 
 
 class DSparkMarkovHead(nn.Module):
-    """Vanilla rank-r Markov logit bias: `bias = markov_w2(markov_w1[previous verifier token])`."""
+    """Vanilla rank-r Markov logit bias: `bias = markov_w2(markov_w1[previous verifier token])`.
+
+    Two named parts because the rank-r features of the previous token are read twice: by the logit bias
+    and by the confidence head (`[h ; features]`).
+    """
 
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
 
-    def forward(self, previous_embeddings: torch.Tensor) -> torch.Tensor:
-        return self.markov_w2(previous_embeddings)
+    def previous_features(self, previous_token_ids: torch.Tensor) -> torch.Tensor:
+        """`[..., r]` rank-r features of the previous token (verifier ids): `markov_w1[prev]`."""
+        return self.markov_w1(previous_token_ids)
+
+    def logit_bias(self, features: torch.Tensor) -> torch.Tensor:
+        """`[..., Vd]` draft-vocabulary logit bias from the previous-token features: `markov_w2(features)`."""
+        return self.markov_w2(features)
+
+    def forward(self, previous_token_ids: torch.Tensor) -> torch.Tensor:
+        return self.logit_bias(self.previous_features(previous_token_ids))
 
 
 class DSparkConfidenceHead(nn.Module):
@@ -320,7 +457,7 @@ class DSparkConfidenceHead(nn.Module):
 
 
 # ================================================================================================
-# 4. Outputs and the serving-time draft cache.
+# 6. Outputs and the serving-time draft cache.
 # ================================================================================================
 @dataclass
 class DSparkDraftOutput(ModelOutput):
@@ -361,6 +498,15 @@ class DSparkProposal(ModelOutput):
     logits: torch.Tensor | None = None
 
 
+@dataclass
+class SpeculativeGenerationOutput(ModelOutput):
+    """`sequences` `[1, prompt + new]`; `committed_per_step` the tokens committed by each verification step
+    (accepted drafts + the corrected or bonus token, so 1..B+1; its mean is the acceptance length)."""
+
+    sequences: torch.LongTensor | None = None
+    committed_per_step: list[int] | None = None
+
+
 class DSparkDraftCache:
     """Per-layer context K/V of the verified tokens so far, extended incrementally between proposals
     (the same precomputation vLLM does): each `draft()` call then costs one block pass, not a re-read of
@@ -371,9 +517,28 @@ class DSparkDraftCache:
         self.values: list[torch.Tensor] = []
         self.length = 0
 
+    def update(self, new_kv_per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append each layer's `(keys, values)` `[1, kv_heads, n, head_dim]` of `n` newly verified tokens
+        along the sequence dim and advance `length` by `n`."""
+        new_kv_per_layer = list(new_kv_per_layer)
+        if not new_kv_per_layer:
+            return
+        if self.keys and len(new_kv_per_layer) != len(self.keys):
+            raise ValueError(
+                f"the draft cache holds {len(self.keys)} layers but the update has {len(new_kv_per_layer)}; "
+                f"use one DSparkDraftCache per drafter and sequence."
+            )
+        if self.keys:
+            self.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, new_kv_per_layer)]
+            self.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, new_kv_per_layer)]
+        else:
+            self.keys = [k for k, _ in new_kv_per_layer]
+            self.values = [v for _, v in new_kv_per_layer]
+        self.length += new_kv_per_layer[0][0].shape[2]
+
 
 # ================================================================================================
-# 5. The model.
+# 7. The pretrained base.
 # ================================================================================================
 class DSparkPreTrainedModel(PreTrainedModel):
     config: DSparkConfig
@@ -394,12 +559,212 @@ class DSparkPreTrainedModel(PreTrainedModel):
             init.zeros_(module.t2d)
 
 
-class DSparkDraftModel(DSparkPreTrainedModel):
+# ================================================================================================
+# 8. Drafting and speculative generation (serving time).
+# ================================================================================================
+def speculative_accept(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, torch.Tensor]:
+    """Standard speculative sampling over one block (Leviathan et al.; Chen et al.).
+
+    `target_probs` `[B+1, V]` are the verifier's (processed) distributions after the last committed token and
+    after each draft; `draft_probs` `[B, V]` the distributions the drafts were drawn from. Draft i is accepted
+    with probability `min(1, p_i(d)/q_i(d))`; at the first rejection the next token is drawn from the residual
+    `max(0, p_i - q_i)` (normalised); if all B pass, a bonus token is drawn from `p_B`. Greedy decoding is the
+    special case of one-hot p and q (exact-match acceptance). Returns `(number accepted, next token)`.
+    """
+    for i, d in enumerate(drafts.tolist()):
+        p, q = target_probs[i, d], draft_probs[i, d]
+        if p >= q:
+            continue  # min(1, p/q) = 1: accept without drawing
+        u = torch.rand((), generator=generator).item()
+        if q > 0 and u < (p / q).item():
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        if residual.sum() <= 0:
+            residual = target_probs[i]
+        return i, sample_from(residual / residual.sum(), generator)
+    return len(drafts), sample_from(target_probs[len(drafts)], generator)
+
+
+class DSparkDraftingMixin:
+    """Serving-time use of a DSpark drafter: `draft` (one proposal, as vLLM computes it) and
+    `speculative_generate` (lossless in-process speculative decoding with a Hugging Face verifier).
+
+    Mixed into `DSparkDraftModel`, whose backbone (`fuse_context`, `_run_layers`, `_masks`, `embed_tokens`)
+    and heads (`lm_head`, `markov_head`, `compute_confidence`) it calls. Deliberately not named
+    `*GenerationMixin`: transformers treats any base class with that name as HF `generate` support and would
+    then write a `generation_config.json` this model does not have.
+    """
+
+    @torch.no_grad()
+    def draft(
+        self,
+        aux_hidden_states: torch.Tensor,
+        bonus_token_id: int | torch.Tensor,
+        cache: DSparkDraftCache | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DSparkProposal:
+        """Propose B tokens after the verified context, computed as vLLM serves the drafter.
+
+        Args:
+            aux_hidden_states: `[n, k*H]` (or `[1, n, k*H]`) verifier aux states of the context tokens not yet
+                in `cache` (all of them when `cache` is None). Context tokens sit at positions 0..len-1.
+            bonus_token_id: the last token the verifier produced (the anchor), at position `len(context)`.
+            cache: a `DSparkDraftCache` reused across calls of one sequence (extended in place).
+            temperature / top_k / top_p: 0 drafts greedily; otherwise each slot samples from the filtered,
+                tempered draft distribution, which `probs` returns for speculative-sampling acceptance.
+
+        The context's K/V per layer are projected once and appended to the cache. Then one backbone pass over
+        the block `[bonus, MASK x (B-1)]` at positions `len .. len+B-1`, which sees the whole context (a single
+        document; the anchor is the bonus token, whose own verifier state does not exist yet) and its own
+        block as in training. Then B sequential Markov steps: slot k's bias is conditioned on the previously
+        proposed token (the bonus for slot 0), mapped to verifier ids, exactly the teacher-forced chain of
+        training when the proposals are correct.
+        """
+        cache = cache if cache is not None else DSparkDraftCache()
+        aux = aux_hidden_states.reshape(1, -1, aux_hidden_states.shape[-1])
+        device = self.fc.weight.device
+        if aux.shape[1]:
+            new_positions = torch.arange(cache.length, cache.length + aux.shape[1], device=device).unsqueeze(0)
+            context = self.fuse_context(aux.to(device))
+            rope = self._position_embeddings(context, new_positions)
+            cache.update([layer.self_attn.project_context(context, rope) for layer in self.layers])
+        if cache.length == 0:
+            raise ValueError("draft() needs the verifier states of at least one context token.")
+        block = self.block_size
+        n = cache.length
+        bonus = torch.as_tensor(bonus_token_id, device=device).reshape(1)
+        tokens = torch.full((1, block), self.config.mask_token_id, dtype=torch.long, device=device)
+        tokens[0, 0] = bonus[0]
+        positions = (n + torch.arange(block, device=device)).unsqueeze(0)
+        embeds = self.embed_tokens(tokens)
+        masks = self._masks(
+            torch.zeros(1, n, dtype=torch.long, device=device),
+            torch.full((1, 1), n, dtype=torch.long, device=device),
+            torch.zeros(1, 1, dtype=torch.long, device=device),
+            block, n + block, embeds.dtype,
+        )
+        hidden = self._run_layers(embeds, positions, list(zip(cache.keys, cache.values)), masks)[0]  # [B, H]
+        base = self.lm_head(hidden).float()
+
+        previous = bonus.long()
+        out_draft, out_tokens, out_probs, out_logits, out_conf = [], [], [], [], []
+        for k in range(block):
+            h = hidden[k : k + 1]
+            logits = base[k : k + 1]
+            if self.markov_head is not None:
+                logits = logits + self.markov_head(previous).float()
+            confidence = self.compute_confidence(h, previous)
+            if temperature and temperature > 0:
+                probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+                draft_id = torch.multinomial(probs.cpu(), 1, generator=generator).view(1).to(device)
+            else:
+                draft_id = logits.argmax(dim=-1)
+                probs = F.one_hot(draft_id, logits.shape[-1]).float()
+            token = self.draft_to_verifier_ids(draft_id)
+            out_draft.append(draft_id)
+            out_tokens.append(token)
+            out_probs.append(probs)
+            out_logits.append(logits)
+            if confidence is not None:
+                out_conf.append(torch.sigmoid(confidence.float()))
+            previous = token
+        return DSparkProposal(
+            token_ids=torch.cat(out_tokens),
+            draft_token_ids=torch.cat(out_draft),
+            probs=torch.cat(out_probs),
+            confidence=torch.cat(out_conf) if out_conf else None,
+            logits=torch.cat(out_logits),
+        )
+
+    @torch.no_grad()
+    def speculative_generate(
+        self,
+        verifier: nn.Module,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> SpeculativeGenerationOutput:
+        """Generate with the verifier, drafting B tokens per step with this drafter (batch size 1).
+
+        Each step drafts `[d_1..d_B]` after the last committed token, scores `[last, d_1..d_B]` with one cached
+        verifier forward, and accepts the longest prefix by standard speculative sampling (`min(1, p/q)`, residual
+        resampling from `max(0, p - q)`, then a bonus token from the verifier when all drafts pass). The output is
+        the verifier's own: token-identical to greedy `generate` at temperature 0, identically distributed above.
+
+        Sampling settings default to the verifier's `generation_config` (`sampling_defaults`: greedy when it
+        does not sample); `temperature=0` forces greedy. Returns the sequences and the tokens committed per
+        verification step.
+        """
+        gen = getattr(verifier, "generation_config", None)
+        sampling = sampling_defaults(gen, temperature, top_k, top_p)
+        temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
+        if eos_token_id is None:
+            eos_token_id = getattr(gen, "eos_token_id", None)
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.shape[0] != 1:
+            raise ValueError("speculative_generate drafts for one sequence at a time; pass input_ids of shape [1, n].")
+        device = next(verifier.parameters()).device
+        input_ids = input_ids.to(device)
+        vocab = verifier.config.get_text_config().vocab_size
+        draft_ids = self.draft_vocab_ids.to(device)
+        block = self.block_size
+
+        def distribution(logits: torch.Tensor) -> torch.Tensor:
+            logits = logits.float()[..., :vocab]
+            if temperature <= 0:
+                return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+
+        capture = VerifierStateCapture(verifier, self.config.aux_hidden_state_layer_ids)
+        with capture:
+            out = verifier(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.activate_past_recording()  # sliding-window layers keep what a rejected draft must roll back
+        context = capture.aux_hidden_states[0]
+        token = sample_from(distribution(out.logits[0, -1]), generator)
+        generated = [int(token)]
+        committed: list[int] = []
+        draft_cache = DSparkDraftCache()
+        while len(generated) < max_new_tokens and generated[-1] not in eos:
+            proposal = self.draft(context, token, cache=draft_cache, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, generator=generator)
+            drafts = proposal.token_ids.to(device)
+            q = torch.zeros(block, vocab, device=device).index_copy_(1, draft_ids, proposal.probs.to(device))
+            step_ids = torch.cat([token.view(1).to(device), drafts]).unsqueeze(0)
+            with capture:
+                out = verifier(input_ids=step_ids, past_key_values=cache, use_cache=True)
+            accepted, token = speculative_accept(distribution(out.logits[0]), q, drafts, generator)
+            cache.crop(-(block - accepted))  # forget the rejected drafts' keys and values
+            context = capture.aux_hidden_states[0, : accepted + 1]  # states of `token`'s predecessors, now verified
+            committed.append(accepted + 1)
+            for t in [*drafts[:accepted].tolist(), int(token)]:
+                generated.append(t)
+                if t in eos or len(generated) >= max_new_tokens:
+                    break
+        new = torch.tensor(generated[:max_new_tokens], device=device).unsqueeze(0)
+        return SpeculativeGenerationOutput(sequences=torch.cat([input_ids, new], dim=1), committed_per_step=committed)
+
+
+# ================================================================================================
+# 9. The model.
+# ================================================================================================
+class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
     """The DSpark drafter. See the module docstring for the computation.
 
     Weights owned by the verifier are not part of this model's state: the input embedding is shared
     with the verifier (`attach_verifier`, no copy), and `lm_head` holds the verifier's output rows of the
-    draft vocabulary (saved only when the draft vocabulary is a strict subset). Use:
+    draft vocabulary (saved only when the draft vocabulary is a strict subset, always frozen). Use:
 
         drafter = DSparkDraftModel(DSparkConfig.from_verifier(verifier_model, ...))
         drafter.set_draft_vocab(token_ids)        # sorted verifier ids, len == draft_vocab_size
@@ -414,12 +779,15 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError("config.mask_token_id is not set; build the config with DSparkConfig.from_verifier(...).")
         if not config.aux_hidden_state_layer_ids:
             raise ValueError("config.aux_hidden_state_layer_ids is empty; build the config with from_verifier(...).")
+        config = self.config  # the live config: layers read its attention backend at call time
         layer_config = config.layer_config()
         hidden, vocab, draft_vocab = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.block_size = config.block_size
         self.fc = nn.Linear(config.aux_input_size, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=layer_config.rms_norm_eps)
-        self.layers = nn.ModuleList(DSparkDecoderLayer(layer_config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DSparkDecoderLayer(config, layer_config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = Qwen3RMSNorm(hidden, eps=layer_config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
         self.lm_head = DSparkLMHead(hidden, draft_vocab)
@@ -566,7 +934,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """Markov-corrected draft logits `lm_head(h) + markov_w2(markov_w1[prev])` (prev in verifier ids)."""
         logits = self.lm_head(hidden_states)
         if self.markov_head is not None:
-            logits = logits + self.markov_head(self.markov_head.markov_w1(previous_token_ids)).to(logits.dtype)
+            logits = logits + self.markov_head(previous_token_ids).to(logits.dtype)
         return logits
 
     def compute_confidence(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor) -> torch.Tensor | None:
@@ -575,7 +943,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return None
         features = hidden_states
         if self.config.confidence_head_with_markov:
-            previous = self.markov_head.markov_w1(previous_token_ids).to(hidden_states.dtype)
+            previous = self.markov_head.previous_features(previous_token_ids).to(hidden_states.dtype)
             features = torch.cat([hidden_states, previous], dim=-1)
         return self.confidence_head(features)
 
@@ -584,8 +952,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self.rotary_emb(reference, position_ids)
 
     def _masks(self, context_document_ids, anchor_positions, anchor_document_ids, q_len, kv_len, dtype):
-        """One mask per layer type in use, shared by all layers of that type."""
-        impl = self.config._attn_implementation or "sdpa"
+        """One mask per layer type in use, shared by all layers of that type, for the configured backend."""
+        impl = _attention_backend(self.config)
         masks = {}
         for layer in self.layers:
             kind = layer.layer_type
@@ -602,11 +970,10 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return masks
 
     def _run_layers(self, block_embeds, block_positions, context_kv_per_layer, masks):
-        impl = self.config._attn_implementation or "sdpa"
         block_rope = self._position_embeddings(block_embeds, block_positions)
         hidden = block_embeds
         for layer, context_kv in zip(self.layers, context_kv_per_layer):
-            hidden = layer(hidden, context_kv, block_rope, masks[layer.layer_type], impl)
+            hidden = layer(hidden, context_kv, block_rope, masks[layer.layer_type])
         return self.norm(hidden)
 
     def fuse_context(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -628,7 +995,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         document_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         return_logits: bool = True,
-        **kwargs,
     ) -> DSparkDraftOutput:
         """Teacher-forced training forward over packed rows.
 
@@ -643,7 +1009,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 from `last_hidden_state` with `compute_logits`, bounding memory).
 
         Block j at anchor p holds `[x_p, MASK, ...]` at positions `pos[p] + k`; slot k predicts `x_{p+k+1}`
-        and its Markov bias is conditioned on `x_{p+k}`.
+        and its Markov bias is conditioned on `x_{p+k}`. All blocks of a row are one query sequence; the mask
+        keeps them independent, so each trains exactly as `draft` computes it.
         """
         rows, length = input_ids.shape
         device = input_ids.device
@@ -685,249 +1052,27 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             anchor_mask=valid,
         )
 
-    # ------------------------------------------------------------------ serving-time proposal
-    @torch.no_grad()
-    def draft(
-        self,
-        aux_hidden_states: torch.Tensor,
-        bonus_token_id: int | torch.Tensor,
-        cache: DSparkDraftCache | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-    ) -> DSparkProposal:
-        """Propose B tokens after the verified context, as vLLM does (dspark-algorithm section 10).
-
-        Args:
-            aux_hidden_states: `[n, k*H]` (or `[1, n, k*H]`) verifier aux states of the context tokens not yet
-                in `cache` (all of them when `cache` is None). Context tokens sit at positions 0..len-1.
-            bonus_token_id: the last token the verifier produced (the anchor), at position `len(context)`.
-            cache: a `DSparkDraftCache` reused across calls of one sequence (extended in place).
-            temperature / top_k / top_p: 0 drafts greedily; otherwise each slot samples from the filtered,
-                tempered draft distribution, which `probs` returns for speculative-sampling acceptance.
-
-        One backbone pass over `[bonus, MASK x (B-1)]`, then B sequential Markov steps: slot k's bias is
-        conditioned on the previous proposed token (the bonus for slot 0), mapped to verifier ids.
-        """
-        cache = cache if cache is not None else DSparkDraftCache()
-        aux = aux_hidden_states.reshape(1, -1, aux_hidden_states.shape[-1])
-        device = self.fc.weight.device
-        if aux.shape[1]:
-            new_positions = torch.arange(cache.length, cache.length + aux.shape[1], device=device).unsqueeze(0)
-            context = self.fuse_context(aux.to(device))
-            rope = self._position_embeddings(context, new_positions)
-            new_kv = [layer.self_attn.project_context(context, rope) for layer in self.layers]
-            if cache.keys:
-                cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new_kv)]
-                cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new_kv)]
-            else:
-                cache.keys, cache.values = [k for k, _ in new_kv], [v for _, v in new_kv]
-            cache.length += aux.shape[1]
-        if cache.length == 0:
-            raise ValueError("draft() needs the verifier states of at least one context token.")
-        block = self.block_size
-        n = cache.length
-        bonus = torch.as_tensor(bonus_token_id, device=device).reshape(1)
-        tokens = torch.full((1, block), self.config.mask_token_id, dtype=torch.long, device=device)
-        tokens[0, 0] = bonus[0]
-        positions = (n + torch.arange(block, device=device)).unsqueeze(0)
-        embeds = self.embed_tokens(tokens)
-        masks = self._masks(
-            torch.zeros(1, n, dtype=torch.long, device=device),
-            torch.full((1, 1), n, dtype=torch.long, device=device),
-            torch.zeros(1, 1, dtype=torch.long, device=device),
-            block, n + block, embeds.dtype,
-        )
-        hidden = self._run_layers(embeds, positions, list(zip(cache.keys, cache.values)), masks)[0]  # [B, H]
-        base = self.lm_head(hidden).float()
-
-        previous = bonus.long()
-        out_draft, out_tokens, out_probs, out_logits, out_conf = [], [], [], [], []
-        for k in range(block):
-            h = hidden[k : k + 1]
-            logits = base[k : k + 1]
-            if self.markov_head is not None:
-                logits = logits + self.markov_head(self.markov_head.markov_w1(previous)).float()
-            confidence = self.compute_confidence(h, previous)
-            if temperature and temperature > 0:
-                probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-                draft_id = torch.multinomial(probs.cpu(), 1, generator=generator).view(1).to(device)
-            else:
-                draft_id = logits.argmax(dim=-1)
-                probs = F.one_hot(draft_id, logits.shape[-1]).float()
-            token = self.draft_to_verifier_ids(draft_id)
-            out_draft.append(draft_id)
-            out_tokens.append(token)
-            out_probs.append(probs)
-            out_logits.append(logits)
-            if confidence is not None:
-                out_conf.append(torch.sigmoid(confidence.float()))
-            previous = token
-        return DSparkProposal(
-            token_ids=torch.cat(out_tokens),
-            draft_token_ids=torch.cat(out_draft),
-            probs=torch.cat(out_probs),
-            confidence=torch.cat(out_conf) if out_conf else None,
-            logits=torch.cat(out_logits),
-        )
-
-
-    # ------------------------------------------------------------------ in-process speculative generation
-    @torch.no_grad()
-    def speculative_generate(
-        self,
-        verifier: nn.Module,
-        input_ids: torch.LongTensor,
-        max_new_tokens: int = 256,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | list[int] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> "SpeculativeGenerationOutput":
-        """Generate with the verifier, drafting B tokens per step with this drafter (batch size 1).
-
-        Each step drafts `[d_1..d_B]` after the last committed token, scores `[last, d_1..d_B]` with one cached
-        verifier forward, and accepts the longest prefix by standard speculative sampling (`min(1, p/q)`, residual
-        resampling from `max(0, p - q)`, then a bonus token from the verifier when all drafts pass). The output is
-        the verifier's own: token-identical to greedy `generate` at temperature 0, identically distributed above.
-
-        Sampling settings default to the verifier's `generation_config` (greedy when it does not sample);
-        `temperature=0` forces greedy. Returns the sequences and the tokens committed per verification step.
-        """
-        gen = getattr(verifier, "generation_config", None)
-        sampling = bool(getattr(gen, "do_sample", False))
-        if temperature is None:
-            temperature = float(getattr(gen, "temperature", 1.0) or 1.0) if sampling else 0.0
-        if temperature > 0:
-            top_k = top_k if top_k is not None else getattr(gen, "top_k", None)
-            top_p = top_p if top_p is not None else getattr(gen, "top_p", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(gen, "eos_token_id", None)
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
-        if input_ids.shape[0] != 1:
-            raise ValueError("speculative_generate drafts for one sequence at a time; pass input_ids of shape [1, n].")
-        device = next(verifier.parameters()).device
-        input_ids = input_ids.to(device)
-        vocab = verifier.config.get_text_config().vocab_size
-        draft_ids = self.draft_vocab_ids.to(device)
-        block = self.block_size
-
-        def distribution(logits: torch.Tensor) -> torch.Tensor:
-            logits = logits.float()[..., :vocab]
-            if temperature <= 0:
-                return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-            return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-
-        capture = VerifierStateCapture(verifier, self.config.aux_hidden_state_layer_ids)
-        with capture:
-            out = verifier(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        cache.activate_past_recording()  # sliding-window layers keep what a rejected draft must roll back
-        context = capture.aux_hidden_states[0]
-        token = sample_from(distribution(out.logits[0, -1]), generator)
-        generated = [int(token)]
-        committed: list[int] = []
-        draft_cache = DSparkDraftCache()
-        while len(generated) < max_new_tokens and generated[-1] not in eos:
-            proposal = self.draft(context, token, cache=draft_cache, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, generator=generator)
-            drafts = proposal.token_ids.to(device)
-            q = torch.zeros(block, vocab, device=device).index_copy_(1, draft_ids, proposal.probs.to(device))
-            step_ids = torch.cat([token.view(1).to(device), drafts]).unsqueeze(0)
-            with capture:
-                out = verifier(input_ids=step_ids, past_key_values=cache, use_cache=True)
-            accepted, token = speculative_accept(distribution(out.logits[0]), q, drafts, generator)
-            cache.crop(-(block - accepted))  # forget the rejected drafts' keys and values
-            context = capture.aux_hidden_states[0, : accepted + 1]  # states of `token`'s predecessors, now verified
-            committed.append(accepted + 1)
-            for t in [*drafts[:accepted].tolist(), int(token)]:
-                generated.append(t)
-                if t in eos or len(generated) >= max_new_tokens:
-                    break
-        new = torch.tensor(generated[:max_new_tokens], device=device).unsqueeze(0)
-        return SpeculativeGenerationOutput(sequences=torch.cat([input_ids, new], dim=1), committed_per_step=committed)
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id from a probability vector (argmax when it is one-hot, i.e. greedy)."""
-    if bool((probs.max() == 1.0) & (probs.sum() == 1.0)):
-        return probs.argmax()
-    return torch.multinomial(probs.cpu(), 1, generator=generator).view(()).to(probs.device)
-
-
-def speculative_accept(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int, torch.Tensor]:
-    """Standard speculative sampling over one block (Leviathan et al.; Chen et al.).
-
-    `target_probs` `[B+1, V]` are the verifier's (processed) distributions after the last committed token and
-    after each draft; `draft_probs` `[B, V]` the distributions the drafts were drawn from. Draft i is accepted
-    with probability `min(1, p_i(d)/q_i(d))`; at the first rejection the next token is drawn from the residual
-    `max(0, p_i - q_i)` (normalised); if all B pass, a bonus token is drawn from `p_B`. Greedy decoding is the
-    special case of one-hot p and q (exact-match acceptance). Returns `(number accepted, next token)`.
-    """
-    for i, d in enumerate(drafts.tolist()):
-        p, q = target_probs[i, d], draft_probs[i, d]
-        if p >= q:
-            continue  # min(1, p/q) = 1: accept without drawing
-        u = torch.rand((), generator=generator).item()
-        if q > 0 and u < (p / q).item():
-            continue
-        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-        if residual.sum() <= 0:
-            residual = target_probs[i]
-        return i, sample_from(residual / residual.sum(), generator)
-    return len(drafts), sample_from(target_probs[len(drafts)], generator)
-
-
-@dataclass
-class SpeculativeGenerationOutput(ModelOutput):
-    """`sequences` `[1, prompt + new]`; `committed_per_step` the tokens committed by each verification step
-    (accepted drafts + the corrected or bonus token, so 1..B+1; its mean is the acceptance length)."""
-
-    sequences: torch.LongTensor | None = None
-    committed_per_step: list[int] | None = None
-
-
-def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 at every document boundary of a packed row (`[R, T]`)."""
-    rows, length = document_ids.shape
-    index = torch.arange(length, device=document_ids.device).expand(rows, length)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start_index
-
-
-def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Top-k then top-p (nucleus) filtering on the last dim; removed entries become -inf."""
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
-
 
 __all__ = [
     "DSparkDraftModel",
     "DSparkPreTrainedModel",
+    "DSparkDraftingMixin",
     "DSparkDraftOutput",
     "DSparkProposal",
     "DSparkDraftCache",
+    "SpeculativeGenerationOutput",
     "VerifierStateCapture",
+    "verifier_decoder",
     "verifier_hidden_states",
     "dspark_mask_mod",
+    "build_attention_mask",
+    "index_within_runs",
+    "positions_from_document_ids",
+    "document_segments",
+    "filter_logits",
+    "sample_from",
+    "sampling_defaults",
     "speculative_accept",
-    "SpeculativeGenerationOutput",
 ]
 
 DSparkConfig.register_for_auto_class()

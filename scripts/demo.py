@@ -19,7 +19,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+from trainer.checkpoints import BEST_LINK, read_summary  # noqa: E402
+from trainer.results import format_table  # noqa: E402
+from trainer.small_models import resolve_model  # noqa: E402
 
 
 def step(title: str) -> float:
@@ -46,9 +51,6 @@ def main() -> None:
     env_note = "HF_HUB_OFFLINE=" + os.environ.get("HF_HUB_OFFLINE", "unset")
 
     t = step(f"1/5 verifier: {VERIFIER} from its PyPI package ({env_note})")
-    sys.path.insert(0, ROOT)
-    from trainer.small_models import resolve_model
-
     print(f"verifier folder: {resolve_model(VERIFIER)} ({time.time() - t:.0f} s)")
 
     t = step("2/5 data: regenerate the 270 training responses with the verifier (greedy, 128 tokens; reused)")
@@ -59,20 +61,19 @@ def main() -> None:
 
     t = step("3/5 train: trainer/run.py --config configs/smollm2-135m.yaml")
     drafter = os.path.join(out, "drafter")
-    if os.path.exists(os.path.join(drafter, "dspark_train_summary.json")):
+    if read_summary(drafter) is not None:
         print(f"reusing the trained drafter in {drafter}")
     else:
         run([py, "trainer/run.py", "--config", "configs/smollm2-135m.yaml", "--train_data", conversations,
-             "--output_dir", drafter, "--num_train_epochs", args.epochs])
-    with open(os.path.join(drafter, "dspark_train_summary.json")) as f:
-        summary = json.load(f)
+             "--output_dir", drafter, "--num_train_epochs", args.epochs, "--resume_from_checkpoint", "latest"])
+    summary = read_summary(drafter)
     print(f"validation accept_len (teacher-forced) {summary['initial_eval_accept_len']:.3f} -> "
           f"{summary['eval_accept_len']:.3f} ({time.time() - t:.0f} s)")
 
     t = step("4/5 evaluate: speculative generation on the 90 held-out prompts (greedy, lossless), and the "
              "verifier alone on 3 prompts per subset for tokens/s")
     results = [os.path.join(out, "eval-greedy.json")]
-    best = os.path.join(drafter, "checkpoint-best")  # the weights push_to_hub stages, so the results pair with them
+    best = os.path.join(drafter, BEST_LINK)  # the weights push_to_hub stages, so the results pair with them
     run([py, "-m", "trainer.acceptance", "--drafter", best, "--verifier", VERIFIER, "--prompts",
          "data/demo/heldout", "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--throughput",
          "--throughput-prompts", "3",
@@ -95,8 +96,6 @@ def main() -> None:
 
     with open(results[0]) as f:
         greedy = json.load(f)
-    from trainer.acceptance import format_table
-
     print("\n=== held-out acceptance length per subset (greedy; an untrained drafter gives about 1.0)")
     print(format_table(greedy))
     print(f"\ndemo finished in {(time.time() - started) / 60:.1f} min; drafter: {drafter}; staged repo: {staged}")

@@ -1,16 +1,24 @@
-"""Acceptance evaluation: metric code, prompt-set layout, the in-process backend and the results schema."""
+"""Acceptance evaluation: the `dspark_acceptance` evaluate metric, the results module, prompt-set layout and the
+in-process backend."""
 
 import json
+import random
 
+import evaluate
 import pytest
 
 from tiny import tiny_drafter
-from trainer.acceptance import (
+from trainer.acceptance import evaluate_in_process, load_prompt_sets
+from trainer.results import (
+    ACCEPTANCE_METRIC,
     SCHEMA,
+    SUBSETS,
     AcceptanceStats,
-    evaluate_in_process,
+    ResultsError,
     format_table,
-    load_prompt_sets,
+    ordered,
+    read_results,
+    reduce,
     summarize,
     write_results,
 )
@@ -20,7 +28,7 @@ def test_metrics_against_hand_computed_values():
     s = AcceptanceStats(block_size=3)
     s.add([1, 4, 2], generated_tokens=8, seconds=2.0)
     s.add([3], generated_tokens=3, seconds=1.0)
-    d = s.to_dict()
+    d = reduce({"x": s}, 3)["subsets"]["x"]
     assert d["acceptance_length"] == pytest.approx((1 + 4 + 2 + 3) / 4)
     # pos_k: share of steps accepting at least k+1 drafts (committed - 1 >= k + 1)
     assert d["pos"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
@@ -28,6 +36,49 @@ def test_metrics_against_hand_computed_values():
     assert d["acceptance_length"] == pytest.approx(1 + sum(d["pos"]))  # the two views agree
     with pytest.raises(ValueError, match="committed 5 tokens, outside 1..4"):
         s.add([5], 5, 1.0)
+
+
+def test_evaluate_metric_matches_brute_force_per_subset_and_overall():
+    """The evaluate module against a direct float reference: per-subset mean and pos_k, the weighted mean is the
+    mean over all steps, the unweighted one the mean of subset means; listed subsets without steps are null."""
+    rng = random.Random(3)
+    B = 5
+    committed = [rng.randint(1, B + 1) for _ in range(400)]
+    names = [rng.choice(["qa", "rag", "writing"]) for _ in committed]
+    out = evaluate.load(ACCEPTANCE_METRIC).compute(committed=committed, subset=names, block_size=B,
+                                                   subsets=["qa", "rag", "writing", "empty"])
+    for name in ("qa", "rag", "writing"):
+        mine = [c for c, n in zip(committed, names) if n == name]
+        got = out["subsets"][name]
+        assert got["steps"] == len(mine) and got["acceptance_length"] == pytest.approx(sum(mine) / len(mine))
+        assert got["pos"] == pytest.approx([sum(1 for c in mine if c - 1 > k) / len(mine) for k in range(B)])
+    assert out["subsets"]["empty"] == {"acceptance_length": None, "pos": [None] * B, "steps": 0}
+    assert out["weighted_acceptance_length"] == pytest.approx(sum(committed) / len(committed))
+    means = [out["subsets"][n]["acceptance_length"] for n in ("qa", "rag", "writing")]
+    assert out["unweighted_acceptance_length"] == pytest.approx(sum(means) / 3) and out["total_steps"] == 400
+    with pytest.raises(ValueError, match="committed 7 tokens, outside 1..6"):
+        evaluate.load(ACCEPTANCE_METRIC).compute(committed=[7], subset=["qa"], block_size=B)
+
+
+def test_results_round_trip_through_the_reader(tmp_path):
+    """What the writer writes, the reader (the model card's only source) reads back, in the canonical order."""
+    stats = {name: AcceptanceStats(block_size=2) for name in ("qa", "my_subset", "math_reasoning")}
+    stats["qa"].add([1, 3, 2], 5, 1.0)
+    stats["my_subset"].add([2], 1, 1.0)
+    stats["math_reasoning"].add([3, 3], 5, 1.0)
+    from trainer.results import build_results
+
+    results = build_results(stats, backend="transformers", block_size=2, sampling={"temperature": 0.0},
+                            max_new_tokens=8)
+    write_results(results, str(tmp_path / "r.json"))
+    read = read_results(tmp_path / "r.json", block_size=2)
+    assert [s.name for s in read.subsets] == ["math_reasoning", "qa", "my_subset"]
+    assert [s.name for s in read.subsets][:2] == [n for n, _ in ordered(results["subsets"])][:2]
+    assert read.weighted == pytest.approx((6 + 6 + 2) / 6) and read.total_steps == 6 and read.greedy
+    assert read.subsets[1].pos == pytest.approx([2 / 3, 1 / 3])
+    with pytest.raises(ResultsError, match="measured with block size 2 but this drafter has block size 4"):
+        read_results(tmp_path / "r.json", block_size=4)
+    assert SUBSETS[0] == "math_reasoning" and len(SUBSETS) == 9
 
 
 def test_weighted_and_unweighted_means():

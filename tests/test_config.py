@@ -1,4 +1,4 @@
-"""DSparkConfig: the config.json contract (checkpoint-format.md), derivation from the verifier, bad input."""
+"""DSparkConfig: the config.json contract (docs/checkpoint-format.md), derivation from the verifier, bad input."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from tiny import tiny_config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 from seed_checkpoint import SEED_DRAFTER, gemma4_e4b_config  # noqa: E402
 
-# checkpoint-format.md, "config.json for the seed recipe", verbatim except the two values that depend on the
+# The seed recipe's config.json (docs/checkpoint-format.md), verbatim except the two values that depend on the
 # tokenizer / library version (mask_token_id, transformers_version) and dtype (set when the model is saved).
 SEED_CONFIG_JSON = {
     "architectures": ["DSparkDraftModel"],

@@ -1,5 +1,6 @@
-"""DSparkDraftModel: saved tensors, remote-code round trip, attention mask, draft() vs training forward,
-verifier-state conventions and bad input."""
+"""DSparkDraftModel: saved tensors, remote-code round trip, trainable parameters, attention mask and backend,
+document segments, draft() vs training forward, the draft cache, gradient checkpointing, verifier-state
+conventions and bad input."""
 
 import json
 import os
@@ -9,17 +10,21 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModel
 
+import modeling_dspark
 from configuration_dspark import DSparkConfig
 from modeling_dspark import (
+    DSparkDecoderLayer,
     DSparkDraftCache,
     DSparkDraftModel,
     VerifierStateCapture,
     build_attention_mask,
+    document_segments,
     dspark_mask_mod,
+    index_within_runs,
     positions_from_document_ids,
     verifier_hidden_states,
 )
-from tiny import VOCAB, tiny_config, tiny_drafter
+from tiny import VOCAB, draft_vocab, tiny_config, tiny_drafter
 
 LAYER_KEYS = [
     "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -148,6 +153,49 @@ def test_bf16_export_round_trip(tmp_path, gemma4_verifier):
         assert torch.equal(value, loaded.state_dict()[key]), key
 
 
+# ------------------------------------------------------------------------------------------ trainable parameters
+def trainable(model):
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def expected_trainable(config):
+    """Everything the drafter owns except `lm_head` (the verifier's frozen output rows)."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
+             "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    return names | {f"layers.{i}.{key}" for i in range(config.num_hidden_layers) for key in LAYER_KEYS}
+
+
+@pytest.mark.parametrize("draft_vocab_size", [100, None])
+def test_only_the_drafters_own_weights_train_whatever_the_entry_point(tmp_path, qwen3_verifier, draft_vocab_size):
+    config = tiny_config(qwen3_verifier, draft_vocab_size=draft_vocab_size)
+    expected = expected_trainable(config)
+    drafter = DSparkDraftModel(config)
+    assert trainable(drafter) == expected
+    if config.uses_draft_vocab:
+        drafter.set_draft_vocab(draft_vocab(config))
+    drafter.attach_verifier(qwen3_verifier)
+    assert trainable(drafter) == expected
+    drafter.save_pretrained(tmp_path)
+    for loaded in (DSparkDraftModel.from_pretrained(tmp_path, dtype=torch.float32),
+                   AutoModel.from_pretrained(tmp_path, trust_remote_code=True)):
+        assert trainable(loaded) == expected  # the loader installs fresh (trainable) parameters
+        loaded.attach_verifier(qwen3_verifier)
+        assert trainable(loaded) == expected
+        assert trainable(loaded.to(torch.bfloat16)) == expected
+    assert not any(p.requires_grad for p in qwen3_verifier.parameters())
+
+
+def test_under_lora_only_the_adapters_train(gemma4_verifier):
+    from trainer.adapters import add_lora
+
+    drafter = tiny_drafter(gemma4_verifier)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    model = add_lora(drafter, rank=4, alpha=8, dropout=0.0, target_modules=targets)
+    wrapped = [f"base_model.model.layers.{i}.{'mlp' if m == 'down_proj' else 'self_attn'}.{m}"
+               for i in range(drafter.config.num_hidden_layers) for m in targets]
+    assert trainable(model) == {f"{w}.lora_{ab}.default.weight" for w in wrapped for ab in "AB"}
+
+
 def test_attaching_the_wrong_verifier_fails(gemma4_verifier, qwen3_verifier, llama_verifier):
     drafter = DSparkDraftModel(tiny_config(gemma4_verifier))
     drafter.set_draft_vocab(torch.arange(100))
@@ -186,7 +234,10 @@ def test_vocab_maps_are_inverse(gemma4_verifier):
 
 # ------------------------------------------------------------------------------------------ attention mask
 def reference_mask(documents, anchors, block, window, causal):
-    """Brute force, straight from dspark-algorithm.md section 3."""
+    """Brute force over every (query, key) pair. Query slot k of block j (anchor p) sees context index c iff the
+    anchor is real, c is in the anchor's document, c < p (strictly before the anchor) and, with a window,
+    c >= p - window; and it sees slot k2 of its own block iff k2 <= k (causal) or always (bidirectional);
+    nothing of any other block."""
     rows, T = documents.shape
     N = anchors.shape[1]
     out = torch.zeros(rows, N * block, T + N * block, dtype=torch.bool)
@@ -268,6 +319,79 @@ def test_eager_matches_sdpa(gemma4_verifier):
     assert torch.allclose(sdpa.logits, eager.logits, atol=1e-5)
 
 
+def test_attention_backend_follows_the_live_config(gemma4_verifier, monkeypatch):
+    """Setting `drafter.config._attn_implementation` after construction switches the attention function every
+    layer calls (and the mask built for it), with the same outputs."""
+    drafter = tiny_drafter(gemma4_verifier)
+    calls = []
+
+    def spy(name, attention):
+        def recorded(module, query, key, value, attention_mask, **kwargs):
+            if isinstance(module, modeling_dspark.DSparkAttention):  # not the verifier's layers
+                calls.append((name, attention_mask.dtype))
+            return attention(module, query, key, value, attention_mask, **kwargs)
+
+        return recorded
+
+    interfaces = modeling_dspark.ALL_ATTENTION_FUNCTIONS
+    eager = modeling_dspark.eager_attention_forward  # the default get_interface falls back to for "eager"
+    monkeypatch.setattr(modeling_dspark, "eager_attention_forward", spy("eager", eager))
+    monkeypatch.setitem(interfaces, "sdpa", spy("sdpa", interfaces["sdpa"]))
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    layers = drafter.config.num_hidden_layers
+    logits, proposals = {}, {}
+    for impl in ("eager", "sdpa", "eager"):
+        drafter.config._attn_implementation = impl
+        mask_dtype = torch.bool if impl == "sdpa" else torch.float32
+        calls.clear()
+        logits[impl] = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions).logits
+        assert calls == [(impl, mask_dtype)] * layers, impl
+        calls.clear()
+        proposals[impl] = drafter.draft(aux[0, :10], ids[0, 10])
+        assert calls == [(impl, mask_dtype)] * layers, impl
+    assert torch.allclose(logits["eager"], logits["sdpa"], atol=1e-5)
+    assert torch.equal(proposals["eager"].token_ids, proposals["sdpa"].token_ids)
+    assert torch.allclose(proposals["eager"].logits, proposals["sdpa"].logits, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ document segments
+def runs_brute_force(row):
+    """Index within the run of equal consecutive values, element by element."""
+    out = []
+    for t, value in enumerate(row):
+        out.append(out[-1] + 1 if t and value == row[t - 1] else 0)
+    return out
+
+
+def segments_brute_force(documents):
+    segments = []
+    for r, row in enumerate(documents.tolist()):
+        start = 0
+        while start < len(row):
+            end = start
+            while end < len(row) and row[end] == row[start]:
+                end += 1
+            if row[start] >= 0:
+                segments.append((r, start, end))
+            start = end
+    return segments
+
+
+def test_runs_and_document_segments_equal_brute_force():
+    g = torch.Generator().manual_seed(7)
+    cases = [torch.tensor([[7, 7, 7, 2, 2, 7]]), torch.tensor([[0, 0, 1, 0, -1, -1], [-1, 2, 2, 2, 2, 2]]),
+             torch.tensor([[-1, -1, -1]]), torch.tensor([[5]]), torch.zeros(2, 0, dtype=torch.long),
+             torch.zeros(0, 4, dtype=torch.long), torch.tensor([[0] * 18 + [1] * 14 + [2] * 8, [0] * 35 + [-1] * 5])]
+    for _ in range(50):
+        rows, length = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 30, (1,), generator=g))
+        cases.append(torch.randint(-1, 3, (rows, length), generator=g))
+    for documents in cases:
+        expected = torch.tensor([runs_brute_force(row) for row in documents.tolist()], dtype=torch.long)
+        assert torch.equal(index_within_runs(documents), expected.view(documents.shape)), documents
+        assert torch.equal(positions_from_document_ids(documents), expected.view(documents.shape)), documents
+        assert document_segments(documents) == segments_brute_force(documents), documents
+
+
 # ------------------------------------------------------------------------------------------ forward semantics
 def test_blocks_are_built_as_specified(gemma4_verifier):
     drafter = tiny_drafter(gemma4_verifier)
@@ -281,7 +405,11 @@ def test_blocks_are_built_as_specified(gemma4_verifier):
     # logits are lm_head(h) + Markov bias; the confidence head reads [h ; markov_w1[prev]]
     h, prev = out.last_hidden_state, out.previous_token_ids
     w1 = drafter.markov_head.markov_w1.weight[prev]
-    manual = h @ drafter.lm_head.weight.T + w1 @ drafter.markov_head.markov_w2.weight.T
+    bias = w1 @ drafter.markov_head.markov_w2.weight.T
+    assert torch.equal(drafter.markov_head.previous_features(prev), w1)
+    assert torch.allclose(drafter.markov_head.logit_bias(w1), bias, atol=1e-6)
+    assert torch.allclose(drafter.markov_head(prev), bias, atol=1e-6)
+    manual = h @ drafter.lm_head.weight.T + bias
     assert torch.allclose(out.logits, manual, atol=1e-5)
     conf = torch.cat([h, w1], -1) @ drafter.confidence_head.proj.weight[0] + drafter.confidence_head.proj.bias
     assert torch.allclose(out.confidence_logits, conf, atol=1e-5)
@@ -333,6 +461,21 @@ def test_draft_cache_matches_full_recompute(gemma4_verifier):
         assert cache.length == end
         assert torch.equal(incremental.token_ids, full.token_ids)
         assert torch.allclose(incremental.logits, full.logits, atol=1e-5)
+
+
+def test_draft_cache_update_appends_per_layer_and_advances_length():
+    g = torch.Generator().manual_seed(8)
+    chunks = [[(torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g)) for _ in range(3)]
+              for n in (5, 1, 3)]
+    cache = DSparkDraftCache()
+    for i, chunk in enumerate(chunks):
+        cache.update(chunk)
+        assert cache.length == sum(c[0][0].shape[2] for c in chunks[: i + 1])
+    for layer in range(3):
+        assert torch.equal(cache.keys[layer], torch.cat([c[layer][0] for c in chunks], dim=2))
+        assert torch.equal(cache.values[layer], torch.cat([c[layer][1] for c in chunks], dim=2))
+    with pytest.raises(ValueError, match="holds 3 layers but the update has 2"):
+        cache.update(chunks[0][:2])
 
 
 def test_draft_sampling_is_seeded_and_uses_the_returned_distribution(gemma4_verifier):
@@ -399,15 +542,37 @@ def test_model_construction_requires_mask_and_aux_ids(gemma4_verifier):
     assert isinstance(DSparkConfig(), DSparkConfig)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(gemma4_verifier):
+def test_gradient_checkpointing_gives_the_same_gradients(gemma4_verifier, monkeypatch):
+    """Same gradients, and checkpointing really engages: every decoder layer runs once more during backward."""
     drafter = tiny_drafter(gemma4_verifier).train()
     ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
-    grads = []
+    layer_calls = [0]
+    forward = DSparkDecoderLayer.forward
+
+    def counted(self, *args, **kwargs):
+        layer_calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkDecoderLayer, "forward", counted)
+    grads, calls = [], []
     for checkpointing in (False, True):
         if checkpointing:
             drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         drafter.zero_grad()
+        layer_calls[0] = 0
         out = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+        in_forward = layer_calls[0]
         (out.logits.logsumexp(-1).mean() + out.confidence_logits.mean()).backward()
+        calls.append((in_forward, layer_calls[0] - in_forward))
         grads.append({n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
+    layers = drafter.config.num_hidden_layers
+    assert calls == [(layers, 0), (layers, layers)]  # (forward, backward) calls: backward recomputes each layer
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+def test_forward_rejects_unknown_arguments(gemma4_verifier):
+    drafter = tiny_drafter(gemma4_verifier)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    with pytest.raises(TypeError, match="attention_mask"):
+        drafter(ids, aux, torch.tensor([[2]]), attention_mask=torch.ones_like(ids))

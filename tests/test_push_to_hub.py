@@ -19,8 +19,14 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from safetensors.torch import load_file, save_file
 
 import push_to_hub as ph
+from trainer import staging
+from trainer.checkpoints import COMPLETE_MARKER, resolve_checkpoint
 from trainer.config import RunConfig
+from trainer.plots import PLOT_FILE
+from trainer.results import read_results
 from trainer.run import train
+from trainer.servable import check_remote_code_load, check_serving_config, contract_tensors
+from trainer.staging import DELETE_PATTERNS, Staged, stage
 
 VERIFIER_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REPO = "me/tiny-dspark"
@@ -89,10 +95,10 @@ def results_files(tmp_path_factory) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def staged(run_dir, results_files, tmp_path_factory) -> ph.Staged:
+def staged(run_dir, results_files, tmp_path_factory) -> Staged:
     """The output_dir staged with both results files, including the fresh-module-cache remote-code load."""
     folder = tmp_path_factory.mktemp("staged") / "repo"
-    return ph.stage(ph.resolve_checkpoint(run_dir), folder, repo_id=REPO, eval_results=results_files)
+    return stage(resolve_checkpoint(run_dir), folder, repo_id=REPO, eval_results=results_files)
 
 
 class FakeApi:
@@ -140,7 +146,7 @@ def online(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     loads = []
-    monkeypatch.setattr(ph, "check_remote_code_load", lambda folder: loads.append(Path(folder)) or {})
+    monkeypatch.setattr(staging, "check_remote_code_load", lambda folder: loads.append(Path(folder)) or {})
     return loads
 
 
@@ -150,40 +156,40 @@ def args(run_dir, *extra) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ checkpoint selection
 def test_checkpoint_resolution(run_dir, tmp_path):
-    best = ph.resolve_checkpoint(run_dir)
+    best = resolve_checkpoint(run_dir)
     assert best.path == (run_dir / "checkpoint-best").resolve() and best.kind == "checkpoint"
-    assert ph.resolve_checkpoint(run_dir / "checkpoint-best").path == best.path  # symlink resolved
-    latest = ph.resolve_checkpoint(f"{run_dir}:latest")
+    assert resolve_checkpoint(run_dir / "checkpoint-best").path == best.path  # symlink resolved
+    latest = resolve_checkpoint(f"{run_dir}:latest")
     assert (latest.path.name, latest.step) == ("checkpoint-4", 4)
-    assert ph.resolve_checkpoint(f"{run_dir}:2").path.name == "checkpoint-2"
-    final = ph.resolve_checkpoint(f"{run_dir}:final")
+    assert resolve_checkpoint(f"{run_dir}:2").path.name == "checkpoint-2"
+    final = resolve_checkpoint(f"{run_dir}:final")
     assert (final.kind, final.path, final.step) == ("final", run_dir.resolve(), best.step)
     with pytest.raises(ph.PushError, match=r"run has no checkpoint-7; pick one of the available steps \['2', '4'\]"):
-        ph.resolve_checkpoint(f"{run_dir}:7")
+        resolve_checkpoint(f"{run_dir}:7")
 
     copy_dir = tmp_path / "run"
     shutil.copytree(run_dir, copy_dir, symlinks=True, ignore=shutil.ignore_patterns("optimizer.pt"))
     (copy_dir / "checkpoint-best").unlink()
-    assert ph.resolve_checkpoint(copy_dir).kind == "final"  # no best: the run's own final model
+    assert resolve_checkpoint(copy_dir).kind == "final"  # no best: the run's own final model
     (copy_dir / "config.json").unlink()
-    assert ph.resolve_checkpoint(copy_dir).path.name == "checkpoint-4"  # no final model: the latest complete one
-    (copy_dir / "checkpoint-4" / ph.COMPLETE_MARKER).unlink()
-    assert ph.resolve_checkpoint(copy_dir).path.name == "checkpoint-2"
+    assert resolve_checkpoint(copy_dir).path.name == "checkpoint-4"  # no final model: the latest complete one
+    (copy_dir / "checkpoint-4" / COMPLETE_MARKER).unlink()
+    assert resolve_checkpoint(copy_dir).path.name == "checkpoint-2"
     with pytest.raises(ph.PushError, match=r"checkpoint-4 is an incomplete checkpoint \(no dspark_checkpoint.json"):
-        ph.resolve_checkpoint(copy_dir / "checkpoint-4")
+        resolve_checkpoint(copy_dir / "checkpoint-4")
     with pytest.raises(ph.PushError, match="does not exist; pass a checkpoint-N directory or a training output_dir"):
-        ph.resolve_checkpoint(tmp_path / "nowhere")
+        resolve_checkpoint(tmp_path / "nowhere")
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ph.PushError, match=r"is not a DSpark drafter .*; pass a checkpoint written by trainer/run.py"):
-        ph.resolve_checkpoint(other)
+        resolve_checkpoint(other)
 
 
 # ------------------------------------------------------------------------------------------------ staging
 def test_staged_folder_is_exactly_the_contract(staged, run_dir):
     folder = staged.folder
-    assert set(os.listdir(folder)) == BASE_FILES | {ph.PLOT_FILE}
+    assert set(os.listdir(folder)) == BASE_FILES | {PLOT_FILE}
     assert staged.checkpoint.path == (run_dir / "checkpoint-best").resolve()
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and "model_type" not in config
@@ -192,7 +198,7 @@ def test_staged_folder_is_exactly_the_contract(staged, run_dir):
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == config["block_size"] == 4
     weights = load_file(folder / "model.safetensors")
     source = load_file(staged.checkpoint.path / "model.safetensors")
-    assert set(weights) == set(source) == set(ph.contract_tensors(config))
+    assert set(weights) == set(source) == set(contract_tensors(config))
     assert not any(k.startswith(("verifier", "embed")) for k in weights)
     for name, tensor in weights.items():
         expected = {"d2t": torch.int64, "t2d": torch.bool}.get(name, torch.bfloat16)
@@ -211,14 +217,14 @@ def test_staged_folder_loads_via_remote_code_in_a_fresh_module_cache(staged, tmp
     (broken / "modeling_dspark.py").unlink()
     with pytest.raises(ph.PushError, match=r"does not load with AutoModel.from_pretrained\(\.\.\., "
                                            r"trust_remote_code=True\) in a fresh module cache"):
-        ph.check_remote_code_load(broken)
+        check_remote_code_load(broken)
 
 
 @pytest.mark.parametrize("spec", ["output_dir", "checkpoint-best", "checkpoint-2", "final"])
 def test_stage_from_any_checkpoint_the_trainer_writes(run_dir, tmp_path, spec):
     target = {"output_dir": run_dir, "checkpoint-best": run_dir / "checkpoint-best",
               "checkpoint-2": f"{run_dir}:2", "final": f"{run_dir}:final"}[spec]
-    staged = ph.stage(ph.resolve_checkpoint(target), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
+    staged = stage(resolve_checkpoint(target), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
     assert set(staged.files) == BASE_FILES
     step = 2 if spec == "checkpoint-2" else staged.checkpoint.step
     assert staged.commit_message == f"Upload DSpark drafter for {VERIFIER_ID} (step {step})"
@@ -235,8 +241,8 @@ def test_stage_from_any_checkpoint_the_trainer_writes(run_dir, tmp_path, spec):
     (lambda c: c.update(speculators_model_type="eagle3"), "speculators_model_type is 'eagle3', not 'dspark'"),
     (lambda c: c.update(transformer_layer_config="qwen3"), "transformer_layer_config is not a mapping"),
     (lambda c: c.update(aux_hidden_state_layer_ids=[2, 1]), r"aux_hidden_state_layer_ids \[2, 1\] must be"),
-    (lambda c: c.update(aux_hidden_state_layer_ids=[0, 1]), r"unique ids >= 1"),
-    (lambda c: c.update(aux_hidden_state_layer_ids=[1, 4]), r"aux layer id 4 is out of range for the 4-layer verifier"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[0, 1]), r"aux layer id 0 is out of range for a 4-layer verifier"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[1, 4]), r"aux layer id 4 is out of range for a 4-layer verifier; use ids in 1..3"),
     (lambda c: c["transformer_layer_config"].update(hidden_act="gelu"), "hidden_act is 'gelu', not 'silu'"),
     (lambda c: c["transformer_layer_config"]["rope_parameters"].pop("rope_theta"), "has no rope_theta"),
     (lambda c: c["transformer_layer_config"].pop("vocab_size"), "vocab_size is missing"),
@@ -244,13 +250,13 @@ def test_stage_from_any_checkpoint_the_trainer_writes(run_dir, tmp_path, spec):
 def test_vllm_structure_checks_refuse_a_tampered_config(staged, mutate, message):
     config = json.loads((staged.folder / "config.json").read_text())
     tensors = load_file(staged.folder / "model.safetensors")
-    ph.check_serving_config(config, tensors)  # the staged one passes
+    check_serving_config(config, tensors)  # the staged one passes
     bad = copy.deepcopy(config)
     mutate(bad)
     with pytest.raises(ph.PushError, match=rf"the staged config.json would not serve with vLLM: .*{message}"):
-        ph.check_serving_config(bad, tensors)
+        check_serving_config(bad, tensors)
     with pytest.raises(ph.PushError, match=r"d2t must be \[500\]"):
-        ph.check_serving_config(config, {k: v for k, v in tensors.items() if k != "d2t"})
+        check_serving_config(config, {k: v for k, v in tensors.items() if k != "d2t"})
 
 
 def test_nan_weights_are_refused(run_dir, tmp_path):
@@ -261,7 +267,7 @@ def test_nan_weights_are_refused(run_dir, tmp_path):
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ph.PushError, match=r"weight fc.weight has 3 non-finite values \(NaN/inf\) .*; push an "
                                            r"earlier checkpoint"):
-        ph.stage(ph.resolve_checkpoint(ckpt), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
+        stage(resolve_checkpoint(ckpt), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
 
 
 def test_local_verifier_path_is_refused_with_the_fix(run_dir, tmp_path):
@@ -270,13 +276,13 @@ def test_local_verifier_path_is_refused_with_the_fix(run_dir, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = str(tmp_path)  # an existing local directory
     (ckpt / "config.json").write_text(json.dumps(config))
-    checkpoint = ph.resolve_checkpoint(ckpt)
+    checkpoint = resolve_checkpoint(ckpt)
     with pytest.raises(ph.PushError, match=rf"the checkpoint names no Hub id for its verifier \(found '{tmp_path}'\); "
                                            r"pass --verifier-id org/name\."):
-        ph.stage(checkpoint, tmp_path / "a", repo_id=REPO, remote_code_check=False)
+        stage(checkpoint, tmp_path / "a", repo_id=REPO, remote_code_check=False)
     with pytest.raises(ph.PushError, match=r"--verifier-id .* is not a Hub id .*; pass the verifier's id on the Hub"):
-        ph.stage(checkpoint, tmp_path / "b", repo_id=REPO, verifier_id=str(tmp_path), remote_code_check=False)
-    staged = ph.stage(checkpoint, tmp_path / "c", repo_id=REPO, verifier_id=VERIFIER_ID, remote_code_check=False)
+        stage(checkpoint, tmp_path / "b", repo_id=REPO, verifier_id=str(tmp_path), remote_code_check=False)
+    staged = stage(checkpoint, tmp_path / "c", repo_id=REPO, verifier_id=VERIFIER_ID, remote_code_check=False)
     assert json.loads((staged.folder / "config.json").read_text())["speculators_config"]["verifier"][
         "name_or_path"] == VERIFIER_ID
 
@@ -311,20 +317,20 @@ def test_card_metadata_tables_and_plot_come_from_the_results(staged, results_fil
     assert "step counts were not recorded, so no weighted mean" in text  # the greedy file has no steps
     assert "Throughput was not measured in these results." in text
     assert "- Not measured (no verification steps): writing" in text and "| writing |" not in text
-    assert f"![Per-position acceptance by subset]({ph.PLOT_FILE})" in text
+    assert f"![Per-position acceptance by subset]({PLOT_FILE})" in text
     assert "Mean acceptance length is 2.15 tokens committed per verification step over 600 steps" in text
     assert "throughput speedup over the verifier alone of 2.00× on math_reasoning and 1.25× on qa." in text
     assert f"vllm serve {REPO}" in text and 'revision=REVISION' in text and "speculative_generate" in text
     assert "- Hidden size 64 (the verifier's), MLP size 128" in text  # from config.json
     assert "Loss: {\"ce\": 0.1, \"tv\": 0.9}" in text and "conversations capped at 128 tokens" in text  # run config
-    png = (staged.folder / ph.PLOT_FILE).read_bytes()
+    png = (staged.folder / PLOT_FILE).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 1000  # two panels wide
 
 
 def test_card_without_results_says_so(run_dir, tmp_path):
-    staged = ph.stage(ph.resolve_checkpoint(f"{run_dir}:final"), tmp_path / "repo", repo_id=REPO,
+    staged = stage(resolve_checkpoint(f"{run_dir}:final"), tmp_path / "repo", repo_id=REPO,
                       remote_code_check=False)
-    assert ph.PLOT_FILE not in staged.files
+    assert PLOT_FILE not in staged.files
     card = ModelCard.load(staged.folder / "README.md")
     assert card.data.eval_results is None and "model-index" not in card.content
     assert "No evaluation results were given to this export" in card.text
@@ -340,16 +346,16 @@ def test_training_section_and_datasets_follow_the_run_config(run_dir, tmp_path):
     run_config = yaml.safe_load((ckpt / "dspark_run_config.yaml").read_text())
     run_config["data"]["train_data"] = "HuggingFaceH4/ultrachat_200k"
     (ckpt / "dspark_run_config.yaml").write_text(yaml.safe_dump(run_config))
-    staged = ph.stage(ph.resolve_checkpoint(ckpt), tmp_path / "a", repo_id=REPO, remote_code_check=False)
+    staged = stage(resolve_checkpoint(ckpt), tmp_path / "a", repo_id=REPO, remote_code_check=False)
     card = ModelCard.load(staged.folder / "README.md")
     assert card.data.datasets == ["HuggingFaceH4/ultrachat_200k"]
     assert "[HuggingFaceH4/ultrachat_200k](https://huggingface.co/datasets/HuggingFaceH4/ultrachat_200k)" in card.text
     (ckpt / "dspark_run_config.yaml").unlink()
-    staged = ph.stage(ph.resolve_checkpoint(ckpt), tmp_path / "b", repo_id=REPO, remote_code_check=False)
+    staged = stage(resolve_checkpoint(ckpt), tmp_path / "b", repo_id=REPO, remote_code_check=False)
     card = ModelCard.load(staged.folder / "README.md")
     assert card.data.datasets is None
     assert "No run configuration (`dspark_run_config.yaml`) was found in the checkpoint" in card.text
-    stats_card = ModelCard.load(ph.stage(ph.resolve_checkpoint(run_dir / "checkpoint-4"), tmp_path / "c",
+    stats_card = ModelCard.load(stage(resolve_checkpoint(run_dir / "checkpoint-4"), tmp_path / "c",
                                          repo_id=REPO, remote_code_check=False).folder / "README.md")
     assert re.search(r"- Trained on \d+ conversations \([\d,]+ supervised tokens in \d+ packed rows\)", stats_card.text)
     assert "Run config sha256" not in staged.commit_description
@@ -360,28 +366,28 @@ def test_bad_results_files_are_refused(run_dir, tmp_path):
     wrong_block.write_text(json.dumps(results_json(block_size=8)))
     with pytest.raises(ph.PushError, match=r"b8.json were measured with block size 8 but this drafter has block size "
                                            r"4; pass results measured for this drafter\."):
-        ph.stage(ph.resolve_checkpoint(run_dir), tmp_path / "repo", repo_id=REPO, eval_results=[wrong_block],
+        stage(resolve_checkpoint(run_dir), tmp_path / "repo", repo_id=REPO, eval_results=[wrong_block],
                  remote_code_check=False)
     assert not (tmp_path / "repo").exists()  # refused before anything was written
     wrong_schema = tmp_path / "other.json"
     wrong_schema.write_text(json.dumps({"schema": "something/2"}))
     with pytest.raises(ph.PushError, match=r"has schema 'something/2', not 'dspark-acceptance/1'"):
-        ph.load_eval_results(wrong_schema, 4)
+        read_results(wrong_schema, 4)
     other_verifier = tmp_path / "v.json"
     other_verifier.write_text(json.dumps(results_json(verifier="google/gemma-4-E4B-it")))
     with pytest.raises(ph.PushError, match=r"measured with verifier google/gemma-4-E4B-it but this drafter's"):
-        ph.load_eval_results(other_verifier, 4, VERIFIER_ID)
+        read_results(other_verifier, 4, VERIFIER_ID)
     other_weights = tmp_path / "w.json"
     other_weights.write_text(json.dumps(results_json(drafter_weights_sha256="0" * 64)))
     with pytest.raises(ph.PushError, match=r"w.json were measured on different drafter weights than this "
                                            r"checkpoint's \(sha256 000000000000 vs [0-9a-f]{12}\); evaluate this"):
-        ph.stage(ph.resolve_checkpoint(run_dir), tmp_path / "repo", repo_id=REPO, eval_results=[other_weights],
+        stage(resolve_checkpoint(run_dir), tmp_path / "repo", repo_id=REPO, eval_results=[other_weights],
                  remote_code_check=False)
     short = results_json()
     short["subsets"]["qa"]["pos"] = [0.5, 0.2]
     (tmp_path / "short.json").write_text(json.dumps(short))
     with pytest.raises(ph.PushError, match=r"subsets.qa.pos has 2 values, expected 4"):
-        ph.load_eval_results(tmp_path / "short.json", 4)
+        read_results(tmp_path / "short.json", 4)
 
 
 # ------------------------------------------------------------------------------------------------ upload
@@ -399,8 +405,8 @@ def test_upload_makes_exactly_one_commit_with_the_staged_files(run_dir, results_
     assert upload["commit_message"] == (f"Upload DSpark drafter for {VERIFIER_ID} (step 4, acceptance length 2.15 on "
                                         f"RedHatAI/speculator_benchmarks)")
     assert "Run config sha256: " in upload["commit_description"]
-    assert upload["delete_patterns"] == ph.DELETE_PATTERNS
-    assert set(api.uploaded) == BASE_FILES | {ph.PLOT_FILE}
+    assert upload["delete_patterns"] == DELETE_PATTERNS
+    assert set(api.uploaded) == BASE_FILES | {PLOT_FILE}
     assert json.loads(api.uploaded["config.json"])["speculators_config"]["verifier"]["name_or_path"] == VERIFIER_ID
     assert online == [Path(upload["folder_path"])]  # validated (remote-code load) before the upload
     assert not Path(upload["folder_path"]).exists()  # the staged temp folder is gone
@@ -410,7 +416,7 @@ def test_upload_makes_exactly_one_commit_with_the_staged_files(run_dir, results_
 
 def test_existing_repo_for_another_verifier_needs_force(run_dir, tmp_path, capsys, online):
     api = FakeApi(tmp_path, remote_verifier="google/gemma-4-E4B-it")
-    assert ph.main(args(run_dir), api=api) == 1
+    assert ph.main(args(run_dir), api=api) == 2
     err = capsys.readouterr().err
     assert f"error: {REPO} already holds a drafter for verifier google/gemma-4-E4B-it, not {VERIFIER_ID}; push to " \
            f"another repo, or pass --force to replace it." in err
@@ -437,28 +443,28 @@ def test_failed_upload_leaves_nothing_and_says_what_to_rerun(run_dir, tmp_path, 
 
 def test_missing_token_and_offline_mode_are_explained(run_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert ph.main(args(run_dir), api=NoNetwork()) == 1
+    assert ph.main(args(run_dir), api=NoNetwork()) == 2
     assert "error: Hugging Face Hub offline mode is on (HF_HUB_OFFLINE=1); unset it to upload or use --dry-run " \
            "OUT_DIR." in capsys.readouterr().err
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(ph, "get_token", lambda: None)  # no saved login either
-    assert ph.main(args(run_dir), api=NoNetwork()) == 1
+    assert ph.main(args(run_dir), api=NoNetwork()) == 2
     assert "error: no Hugging Face token found; run `hf auth login` or set HF_TOKEN." in capsys.readouterr().err
-    assert ph.main(["--checkpoint", str(run_dir), "--repo-id", "no-namespace", "--dry-run", str(tmp_path / "x")]) == 1
+    assert ph.main(["--checkpoint", str(run_dir), "--repo-id", "no-namespace", "--dry-run", str(tmp_path / "x")]) == 2
     assert "has no namespace; use ORG/NAME" in capsys.readouterr().err
 
 
 def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_files, tmp_path, capsys, monkeypatch):
     loads = []
-    monkeypatch.setattr(ph, "check_remote_code_load", lambda folder: loads.append(Path(folder)) or {})
+    monkeypatch.setattr(staging, "check_remote_code_load", lambda folder: loads.append(Path(folder)) or {})
     out_dir = tmp_path / "export"
     for _ in range(2):  # a repeated dry run replaces its previous export
         rc = ph.main(args(run_dir, "--eval-results", *map(str, results_files), "--dry-run", str(out_dir)),
                      api=NoNetwork())
         out, err = capsys.readouterr()
         assert rc == 0, err
-    assert set(os.listdir(out_dir)) == BASE_FILES | {ph.PLOT_FILE}
+    assert set(os.listdir(out_dir)) == BASE_FILES | {PLOT_FILE}
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no OUT_DIR.tmp-* or .old-* left behind
     assert len(loads) == 2 and loads[0].name.startswith("export.tmp-")  # validated before the atomic rename
     assert "model.safetensors" in out and f"commit to {REPO} (revision main):" in out
@@ -467,6 +473,6 @@ def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_file
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    assert ph.main(args(run_dir, "--dry-run", str(foreign)), api=NoNetwork()) == 1
+    assert ph.main(args(run_dir, "--dry-run", str(foreign)), api=NoNetwork()) == 2
     assert "exists and holds other files; pass a new directory or remove it" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "mine"

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
-from modeling_dspark import DSparkProposal, speculative_accept
+from modeling_dspark import DSparkProposal, sampling_defaults, speculative_accept
 from tiny import VOCAB, tiny_drafter, tiny_gemma4_verifier, tiny_qwen3_verifier
 
 
@@ -83,6 +84,29 @@ def test_acceptance_rule_preserves_the_target_distribution():
     freq = first / n
     stderr = (p[0] * (1 - p[0]) / n).sqrt()
     assert bool(((freq - p[0]).abs() < 5 * stderr).all()), (freq, p[0])
+
+
+def test_sampling_defaults_follow_the_generation_config():
+    """Explicit arguments win; an unset temperature is the config's when it samples, else greedy; top-k/top-p
+    come from the config only when sampling, and are None for greedy decoding."""
+    sampler = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    greedy = GenerationConfig(do_sample=False, temperature=0.7, top_k=20, top_p=0.8)
+    unset = GenerationConfig(do_sample=True, temperature=None, top_k=None, top_p=None)
+    cases = [
+        ((sampler,), {"temperature": 0.7, "top_k": 20, "top_p": 0.8}),
+        ((sampler, 1.5), {"temperature": 1.5, "top_k": 20, "top_p": 0.8}),
+        ((sampler, None, 5, 0.5), {"temperature": 0.7, "top_k": 5, "top_p": 0.5}),
+        ((sampler, 0), {"temperature": 0.0, "top_k": None, "top_p": None}),
+        ((sampler, 0, 5, 0.5), {"temperature": 0.0, "top_k": None, "top_p": None}),
+        ((greedy,), {"temperature": 0.0, "top_k": None, "top_p": None}),
+        ((greedy, 1.0), {"temperature": 1.0, "top_k": 20, "top_p": 0.8}),
+        ((unset,), {"temperature": 1.0, "top_k": None, "top_p": None}),
+        ((None,), {"temperature": 0.0, "top_k": None, "top_p": None}),
+        ((None, 0.9, 3), {"temperature": 0.9, "top_k": 3, "top_p": None}),
+    ]
+    for args, expected in cases:
+        got = sampling_defaults(*args)
+        assert got == expected and isinstance(got["temperature"], float), (args, got)
 
 
 VOCAB_SMALL = 8

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel
 
+from trainer.checkpoints import COMPLETE_MARKER
 from trainer.config import RunConfig
-from trainer.dspark_trainer import COMPLETE_MARKER
 from trainer.run import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +27,7 @@ def config(verifier, data, out, *extra) -> RunConfig:
     return RunConfig.load(None, ["--verifier", verifier, "--train_data", data, "--output_dir", str(out), *TINY, *extra])
 
 
+@pytest.mark.slow
 def test_tiny_run_improves_acceptance_and_writes_servable_checkpoints(chat_verifier_dir, chat_data_file, tmp_path):
     out = tmp_path / "run"
     summary = train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "40", "--eval_steps", "20"))
@@ -56,6 +57,7 @@ def test_tiny_run_improves_acceptance_and_writes_servable_checkpoints(chat_verif
     assert drafter.config.draft_vocab_size == 500 and int(drafter.t2d.sum()) == 500
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_schedule(chat_verifier_dir, chat_data_file, tmp_path):
     straight = tmp_path / "straight"
     train(config(chat_verifier_dir, chat_data_file, straight, "--max_steps", "12", "--eval_steps", "6",
@@ -74,6 +76,7 @@ def test_resume_continues_the_same_schedule(chat_verifier_dir, chat_data_file, t
     assert lr(sa) == pytest.approx(lr(sb))
 
 
+@pytest.mark.slow
 def test_interrupted_save_is_ignored_on_resume(chat_verifier_dir, chat_data_file, tmp_path):
     out = tmp_path / "run"
     train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "8", "--eval_steps", "4",
@@ -89,16 +92,66 @@ def test_interrupted_save_is_ignored_on_resume(chat_verifier_dir, chat_data_file
     AutoModel.from_pretrained(out / "checkpoint-4", trust_remote_code=True)  # the previous one stayed loadable
 
 
+@pytest.mark.slow
 def test_resume_with_a_changed_model_shape_is_refused(chat_verifier_dir, chat_data_file, tmp_path):
     out = tmp_path / "run"
     train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "4", "--eval_steps", "4",
                  "--eval_at_start", "false"))
-    with pytest.raises(ValueError, match=r"cannot resume from .*checkpoint-4: the model shape changed "
+    with pytest.raises(ValueError, match=r"cannot resume from .*checkpoint-4: the drafter changed "
                                          r"\(block_size: 4 -> 3.*\); resume with the checkpoint's model settings"):
         train(config(chat_verifier_dir, chat_data_file, out, "--max_steps", "8", "--block_size", "3",
                      "--resume_from_checkpoint", "latest"))
 
 
+def test_resume_diff_covers_every_drafter_key_but_the_runtime_ones():
+    """The resume check is a diff of the whole drafter config: a layer field nobody listed is caught, while the
+    keys declared runtime-only (versions, the local verifier path, the Hub id) are not."""
+    from configuration_dspark import RUNTIME_ONLY_KEYS
+    from trainer.checkpoints import config_diff
+
+    saved = {"block_size": 4, "transformers_version": "5.0", "verifier_local_path": "/a",
+             "transformer_layer_config": {"rms_norm_eps": 1e-6, "hidden_size": 64},
+             "speculators_config": {"verifier": {"name_or_path": "org/a", "architectures": ["X"]}}}
+    current = {"block_size": 4, "transformers_version": "5.19", "verifier_local_path": "/b",
+               "transformer_layer_config": {"rms_norm_eps": 1e-5, "hidden_size": 64},
+               "speculators_config": {"verifier": {"name_or_path": "org/b", "architectures": ["X"]}}}
+    assert config_diff(saved, current) == ["transformer_layer_config.rms_norm_eps: 1e-06 -> 1e-05"]
+    assert {"transformers_version", "verifier_local_path", "speculators_config.verifier.name_or_path"} <= \
+        RUNTIME_ONLY_KEYS
+    assert config_diff({**saved, "markov_rank": 8}, {**saved, "markov_rank": 16}) == ["markov_rank: 8 -> 16"]
+
+
+@pytest.mark.slow
+def test_init_from_adopts_the_drafters_block_size(chat_verifier_dir, chat_data_file, tmp_path):
+    """A block-4 drafter continued with a block-3 run config trains as block 4: the objective, the saved drafter
+    and the saved run config all say 4 (the objective never trains slots the drafter does not have)."""
+    import trainer.dspark_trainer as dt
+
+    base = tmp_path / "base"
+    train(config(chat_verifier_dir, chat_data_file, base, "--max_steps", "2", "--eval_steps", "2",
+                 "--eval_at_start", "false", "--validation_ratio", "0"))
+    seen = []
+    real = dt.dspark_loss
+
+    def spy(drafter, outputs, *args):
+        seen.append((args[-1].block_size, outputs.last_hidden_state.shape[2], drafter.config.block_size))
+        return real(drafter, outputs, *args)
+
+    dt.dspark_loss = spy
+    try:
+        out = tmp_path / "continued"
+        train(config(chat_verifier_dir, chat_data_file, out, "--init_from", str(base), "--block_size", "3",
+                     "--markov_rank", "8", "--max_steps", "2", "--eval_steps", "2", "--eval_at_start", "false",
+                     "--validation_ratio", "0"))
+    finally:
+        dt.dspark_loss = real
+    assert seen and set(seen) == {(4, 4, 4)}
+    assert json.loads((out / "config.json").read_text())["block_size"] == 4
+    saved = RunConfig.load(str(out / "dspark_run_config.yaml"))
+    assert saved.model.block_size == 4 and saved.model.markov_rank == 16  # the drafter's, not the flags'
+
+
+@pytest.mark.slow
 def test_non_finite_loss_stops_before_the_update(chat_verifier_dir, chat_data_file, tmp_path, monkeypatch):
     import trainer.dspark_trainer as dt
 
@@ -154,6 +207,7 @@ def test_recipes_load_and_the_seed_recipe_is_exact():
     RunConfig.load(os.path.join(ROOT, "configs", "smollm2-135m.yaml"))
 
 
+@pytest.mark.slow
 def test_init_from_and_lora_adaptation_merge_into_plain_weights(chat_verifier_dir, chat_data_file, tmp_path):
     base = tmp_path / "base"
     train(config(chat_verifier_dir, chat_data_file, base, "--max_steps", "10", "--eval_steps", "10",

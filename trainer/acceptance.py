@@ -9,9 +9,10 @@ records how many tokens it committed. Per subset this gives
 * `pos`: `pos[k]` = share of steps that accepted at least k+1 drafts (vLLM's per-position acceptance);
 * `steps`, and tokens/s with and without the drafter at concurrency 1 when `--throughput` is on;
 
-plus the weighted (by steps) and unweighted means over subsets. The JSON schema (`dspark-acceptance/1`) and
-the metric code below are shared by every backend (this in-process one; a vLLM server backend produces the
-same file), and `push_to_hub.py` renders it into the model card.
+plus the weighted (by steps) and unweighted means over subsets. The JSON format (`dspark-acceptance/1`) and
+its reduction (the `dspark_acceptance` evaluate metric) live in `trainer/results.py`, shared by every backend
+(this in-process one; a vLLM server backend writes the same file); `push_to_hub.py` renders it into the
+model card.
 
     python -m trainer.acceptance --drafter out/smollm2-135m-dspark --prompts data/demo/heldout \
         --temperature 0 --max-new-tokens 128 --out out/eval-greedy.json
@@ -20,107 +21,25 @@ same file), and `push_to_hub.py` renders it into the model card.
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCHEMA = "dspark-acceptance/1"
-SUBSETS = ("math_reasoning", "HumanEval", "question", "writing", "translation", "rag", "tool_call", "qa",
-           "summarization")
+from trainer.results import (  # noqa: E402
+    SUBSETS,
+    AcceptanceStats,
+    build_results,
+    format_table,
+    with_provenance,
+    write_results,
+)
+from trainer.verifier import generation_kwargs, resolve_sampling  # noqa: E402
 
-
-# ------------------------------------------------------------------------------------------ metric code
-@dataclass
-class AcceptanceStats:
-    """Committed tokens per verification step for one subset, reduced to the reported metrics."""
-
-    block_size: int
-    committed: list[int] = field(default_factory=list)
-    prompts: int = 0
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    baseline_tokens: int = 0
-    baseline_seconds: float = 0.0
-    paired_tokens: int = 0  # drafter tokens and time on the prompts the baseline was also timed on
-    paired_seconds: float = 0.0
-
-    def add(self, committed_per_step: list[int], generated_tokens: int, seconds: float) -> None:
-        bad = [c for c in committed_per_step if not 1 <= c <= self.block_size + 1]
-        if bad:
-            raise ValueError(f"a verification step committed {bad[0]} tokens, outside 1..{self.block_size + 1}.")
-        self.committed.extend(committed_per_step)
-        self.prompts += 1
-        self.generated_tokens += generated_tokens
-        self.seconds += seconds
-
-    def to_dict(self) -> dict:
-        steps = len(self.committed)
-        out = {
-            "acceptance_length": sum(self.committed) / steps if steps else None,
-            "pos": [sum(c - 1 >= k + 1 for c in self.committed) / steps if steps else None
-                    for k in range(self.block_size)],
-            "steps": steps,
-            "prompts": self.prompts,
-            "generated_tokens": self.generated_tokens,
-        }
-        if self.seconds:
-            out["tokens_per_s"] = self.generated_tokens / self.seconds
-        if self.baseline_seconds:
-            out["baseline_tokens_per_s"] = self.baseline_tokens / self.baseline_seconds
-            if self.paired_seconds:  # same prompts for both sides of the ratio
-                out["speedup"] = (self.paired_tokens / self.paired_seconds) / out["baseline_tokens_per_s"]
-        return out
-
-
-def summarize(subsets: dict[str, dict]) -> dict:
-    """Weighted (by verification steps) and unweighted means of acceptance length over subsets."""
-    measured = {k: v for k, v in subsets.items() if v.get("steps")}
-    total = sum(v["steps"] for v in measured.values())
-    return {
-        "weighted_acceptance_length": (sum(v["acceptance_length"] * v["steps"] for v in measured.values()) / total
-                                       if total else None),
-        "unweighted_acceptance_length": (sum(v["acceptance_length"] for v in measured.values()) / len(measured)
-                                         if measured else None),
-        "total_steps": total,
-    }
-
-
-def format_table(results: dict) -> str:
-    """A readable Markdown table of a results dict (per subset, then the means)."""
-    B = results["block_size"]
-    head = "| subset | acceptance_length | " + " | ".join(f"pos_{k}" for k in range(B)) + " | steps |"
-    has_speed = any("tokens_per_s" in v for v in results["subsets"].values())
-    has_baseline = any("baseline_tokens_per_s" in v for v in results["subsets"].values())
-    if has_speed:
-        head += " tokens/s |" + (" baseline tokens/s | speedup |" if has_baseline else "")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, v in ordered(results["subsets"]):
-        if not v.get("steps"):
-            continue
-        row = f"| {name} | {v['acceptance_length']:.3f} | " + " | ".join(f"{p:.1%}" for p in v["pos"])
-        row += f" | {v['steps']} |"
-        if has_speed:
-            row += f" {v['tokens_per_s']:.1f} |" if "tokens_per_s" in v else " - |"
-            if has_baseline:
-                row += (f" {v['baseline_tokens_per_s']:.1f} | {v['speedup']:.2f}x |" if "speedup" in v else " - | - |")
-        lines.append(row)
-    w, u = results.get("weighted_acceptance_length"), results.get("unweighted_acceptance_length")
-    if w is not None:
-        lines.append("")
-        lines.append(f"Weighted mean acceptance length {w:.3f} over {results['total_steps']} verification steps "
-                     f"(unweighted mean over subsets {u:.3f}).")
-    return "\n".join(lines)
-
-
-def ordered(subsets: dict) -> list[tuple[str, dict]]:
-    known = [(k, subsets[k]) for k in SUBSETS if k in subsets]
-    return known + sorted((k, v) for k, v in subsets.items() if k not in SUBSETS)
+__all__ = ["AcceptanceStats", "evaluate_in_process", "format_table", "load_prompt_sets", "main", "write_results"]
 
 
 # ------------------------------------------------------------------------------------------ prompt sets
@@ -167,12 +86,7 @@ def evaluate_in_process(
     """Speculate on every prompt and return a `dspark-acceptance/1` results dict."""
     from tqdm.auto import tqdm
 
-    gen = verifier.generation_config
-    sampling = temperature if temperature is not None else (gen.temperature if gen.do_sample else 0.0)
-    settings = {"temperature": float(sampling or 0.0)}
-    if settings["temperature"] > 0:
-        settings.update(top_p=top_p if top_p is not None else gen.top_p,
-                        top_k=top_k if top_k is not None else gen.top_k)
+    settings = resolve_sampling(verifier, temperature, top_k, top_p)
     device = next(verifier.parameters()).device
     g = torch.Generator().manual_seed(seed)
     B = drafter.config.block_size
@@ -194,13 +108,7 @@ def evaluate_in_process(
                 stats[name].paired_tokens += out.sequences.shape[1] - ids.shape[1]
                 stats[name].paired_seconds += elapsed
                 start = time.perf_counter()
-                kwargs = dict(do_sample=settings["temperature"] > 0, max_new_tokens=max_new_tokens,
-                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-                if kwargs["do_sample"]:
-                    kwargs.update(temperature=settings["temperature"], top_k=settings.get("top_k"),
-                                  top_p=settings.get("top_p"))
-                else:
-                    kwargs.update(temperature=None, top_k=None, top_p=None)
+                kwargs = generation_kwargs(settings, max_new_tokens, tokenizer.pad_token_id or tokenizer.eos_token_id)
                 with torch.no_grad():
                     base = verifier.generate(ids, **kwargs)
                 stats[name].baseline_seconds += time.perf_counter() - start
@@ -209,65 +117,8 @@ def evaluate_in_process(
             done = [c for s in stats.values() for c in s.committed]
             bar.set_postfix(acceptance_length=f"{sum(done) / max(len(done), 1):.2f}")
     bar.close()
-    subsets = {name: s.to_dict() for name, s in stats.items()}
-    return {
-        "schema": SCHEMA,
-        "backend": "transformers",
-        "block_size": B,
-        "sampling": settings,
-        "max_new_tokens": max_new_tokens,
-        "concurrency": 1,
-        "subsets": subsets,
-        **summarize(subsets),
-    }
-
-
-def weights_sha256(directory: str | os.PathLike) -> str | None:
-    """SHA-256 over a checkpoint's safetensors files (sorted by name): ties results to the exact weights."""
-    import hashlib
-
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return None
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for name in files:
-        with open(os.path.join(directory, name), "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def provenance(results: dict, drafter: str, verifier: str, dataset: str) -> dict:
-    import transformers
-
-    return {
-        **results,
-        "drafter": drafter,
-        "drafter_weights_sha256": weights_sha256(drafter),
-        "verifier": verifier,
-        "dataset": dataset,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"
-                   + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-    }
-
-
-def write_results(results: dict, path: str) -> str:
-    """Write the JSON (atomically) and a Markdown table next to it; return the table."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
-    table = format_table(results)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(table + "\n")
-    return table
+    return build_results(stats, backend="transformers", block_size=B, sampling=settings,
+                         max_new_tokens=max_new_tokens, concurrency=1)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -294,8 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from modeling_dspark import DSparkDraftModel
-    from trainer.hidden_states import load_verifier
     from trainer.small_models import resolve_model
+    from trainer.verifier import load_verifier
 
     drafter = DSparkDraftModel.from_pretrained(resolve_model(args.drafter), dtype=torch.float32)
     verifier_name = args.verifier or drafter.config.verifier_local_path or drafter.config.verifier_name_or_path
@@ -311,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   throughput=args.throughput, throughput_prompts=args.throughput_prompts,
                                   seed=args.seed)
-    results = provenance(results, args.drafter, drafter.config.verifier_name_or_path or verifier_name, args.prompts)
+    results = with_provenance(results, args.drafter, drafter.config.verifier_name_or_path or verifier_name, args.prompts)
     print(write_results(results, args.out))
     return results
 

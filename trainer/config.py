@@ -1,5 +1,5 @@
 """The run configuration: one typed object (three dataclass sections) read from YAML, overridden from the
-command line, validated up front, and saved into every checkpoint (`dspark_run_config.yaml`) so a run can
+command line, validated up front, and saved into every checkpoint (`checkpoints.RUN_CONFIG_FILE`) so a run can
 be reproduced and described in a model card.
 
     model:   the verifier and the drafter's architecture
@@ -12,6 +12,7 @@ Command-line overrides win over the YAML: `--key value` or `--key=value`, where 
 """
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -19,15 +20,22 @@ from dataclasses import dataclass, field
 
 import yaml
 
-CONFIG_FILE = "dspark_run_config.yaml"
+from configuration_dspark import ARCHITECTURE_KEYS
+from trainer.checkpoints import RUN_CONFIG_FILE
+from trainer.errors import UsageError
+
+SECTIONS = ("model", "data", "train")
 
 
 @dataclass
 class ModelArgs:
+    """The verifier, and the drafter's architecture: one field per `configuration_dspark.ARCHITECTURE_KEYS`
+    entry (checked at import), where None means "derive it from the verifier"."""
+
     verifier: str = ""  # local directory or Hub id; registered small models resolve to their PyPI packages
     verifier_id: str | None = None  # Hub id written for serving (default: `verifier` when it is a Hub id)
     verifier_dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
-    init_from: str | None = None  # continue training / adapt an existing drafter (its architecture is kept)
+    init_from: str | None = None  # continue training / adapt an existing drafter (its architecture is adopted)
     num_hidden_layers: int = 4
     intermediate_size: int | None = None  # None: the verifier's value
     num_attention_heads: int | None = None
@@ -49,6 +57,27 @@ class ModelArgs:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+    def architecture_overrides(self) -> dict:
+        """The architecture choices passed to `DSparkConfig.from_verifier` (unset ones are derived there)."""
+        overrides = {k: getattr(self, k) for k in ARCHITECTURE_KEYS if getattr(self, k) is not None}
+        if self.markov_rank == 0:
+            overrides["confidence_head_with_markov"] = False
+        return overrides
+
+    def adopt_architecture(self, architecture: dict) -> dict:
+        """Take an existing drafter's architecture (`init_from`); returns `{key: (ours, theirs)}` that changed."""
+        changed = {k: (getattr(self, k), v) for k, v in architecture.items() if getattr(self, k) != v}
+        for key, value in architecture.items():
+            setattr(self, key, value)
+        return changed
+
+
+_missing = set(ARCHITECTURE_KEYS) - {f.name for f in dataclasses.fields(ModelArgs)}
+if _missing:
+    raise ImportError(f"ModelArgs lacks the architecture keys {sorted(_missing)} that configuration_dspark.py "
+                      f"declares; add a field for each.")
 
 
 @dataclass
@@ -94,6 +123,7 @@ class TrainArgs:
     gradient_checkpointing: bool = False
     report_to: str = "none"  # or tensorboard
     resume_from_checkpoint: str | None = None  # "latest" or a checkpoint directory
+    overwrite_output_dir: bool = False  # replace a previous run in output_dir (otherwise a fresh run refuses it)
     dataloader_num_workers: int = 0
     use_cpu: bool = False
     verifier_max_tokens_per_forward: int = 16384
@@ -115,18 +145,21 @@ class RunConfig:
         for f in dataclasses.fields(cls):
             given = data.pop(f.name, None) or {}
             if not isinstance(given, dict):
-                raise ValueError(f"config section '{f.name}' must be a mapping, got {type(given).__name__}.")
+                raise UsageError(f"config section '{f.name}' must be a mapping, got {type(given).__name__}.")
             known = {x.name for x in dataclasses.fields(f.default_factory())}
-            unknown = set(given) - known
+            unknown = sorted(set(given) - known)
             if unknown:
-                raise ValueError(f"unknown key(s) {sorted(unknown)} in section '{f.name}'; valid keys: {sorted(known)}.")
+                raise UsageError(f"unknown key {f.name}.{unknown[0]} in the config; {_suggest(unknown[0], known, f.name)}")
             section = f.default_factory()
             hints = {x.name: x.type for x in dataclasses.fields(section)}
             for key, value in given.items():
                 setattr(section, key, _coerce(value, hints[key], f"{f.name}.{key}"))
             sections[f.name] = section
         if data:
-            raise ValueError(f"unknown config section(s) {sorted(data)}; use model, data and train.")
+            name = sorted(data, key=str)[0]
+            close = difflib.get_close_matches(str(name), SECTIONS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "the sections are model, data and train."
+            raise UsageError(f"unknown config section '{name}'; {hint}")
         return cls(**sections)
 
     @classmethod
@@ -134,9 +167,24 @@ class RunConfig:
         data = {}
         if path:
             if not os.path.exists(path):
-                raise FileNotFoundError(f"config file {path} does not exist; pass --config configs/<recipe>.yaml.")
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
+                raise UsageError(f"config file {path} does not exist; pass --config configs/<recipe>.yaml.")
+            if os.path.isdir(path):
+                raise UsageError(f"config file {path} is a directory; pass a YAML file such as "
+                                 f"configs/smollm2-135m.yaml.")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = yaml.safe_load(f) or {}
+            except UnicodeDecodeError as e:
+                raise UsageError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                                 f"UTF-8 YAML.") from e
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise UsageError(f"config file {path} is not valid YAML ({problem}{where}); fix the YAML there.") from e
+            if not isinstance(data, dict):
+                raise UsageError(f"config file {path} holds a YAML {type(data).__name__}, not a mapping; write "
+                                 f"sections 'model:', 'data:' and 'train:' at the top level.")
         config = cls.from_dict(data)
         config.apply_overrides(overrides or [])
         config.validate()
@@ -148,13 +196,13 @@ class RunConfig:
         while i < len(argv):
             token = argv[i]
             if not token.startswith("--"):
-                raise ValueError(f"unexpected argument {token!r}; overrides look like --key value.")
+                raise UsageError(f"unexpected argument {token!r}; overrides look like --key value.")
             if "=" in token:
                 key, raw = token[2:].split("=", 1)
                 i += 1
             else:
                 if i + 1 >= len(argv):
-                    raise ValueError(f"override {token} has no value; write {token} <value>.")
+                    raise UsageError(f"override {token} has no value; write {token} <value>.")
                 key, raw = token[2:], argv[i + 1]
                 i += 2
             self.set(key.replace("-", "_"), raw)
@@ -169,52 +217,65 @@ class RunConfig:
     def _locate(self, key: str) -> tuple[str, str]:
         if "." in key:
             section, name = key.split(".", 1)
-            if section in ("model", "data", "train") and name in {f.name for f in dataclasses.fields(getattr(self, section))}:
+            if section not in SECTIONS:
+                close = difflib.get_close_matches(section, SECTIONS, n=1)
+                hint = f"did you mean --{close[0]}.{name}?" if close else "the sections are model, data and train."
+                raise UsageError(f"unknown option --{key}; {hint}")
+            known = {f.name for f in dataclasses.fields(getattr(self, section))}
+            if name in known:
                 return section, name
-            raise ValueError(f"unknown option --{key}; see trainer/config.py for the valid keys.")
+            raise UsageError(f"unknown option --{key}; {_suggest(name, known, section, flag=True)}")
         owners = [s for s in ("model", "data", "train") if name_in(getattr(self, s), key)]
         if not owners:
-            import difflib
-
-            names = [f.name for s in ("model", "data", "train") for f in dataclasses.fields(getattr(self, s))]
+            names = [f.name for s in SECTIONS for f in dataclasses.fields(getattr(self, s))]
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"did you mean --{close[0]}?" if close else "see trainer/config.py for the valid keys."
-            raise ValueError(f"unknown option --{key}; {hint}")
+            raise UsageError(f"unknown option --{key}; {hint}")
         return owners[0], key
 
     # -------------------------------------------------------------------------------- validation
     def validate(self) -> None:
+        """Everything that can be checked without touching the disk or loading a model: presence, types (at
+        parse time), ranges and combinations. `trainer/run.py` checks paths and the verifier's config next."""
         m, d, t = self.model, self.data, self.train
+        for where, value, low, high, inclusive in _RANGES(self):
+            if value is None:
+                continue
+            below = value < low if inclusive[0] else value <= low
+            above = high is not None and (value > high if inclusive[1] else value >= high)
+            if below or above:
+                lo, hi = ("[" if inclusive[0] else "("), ("]" if inclusive[1] else ")")
+                span = f"in {lo}{low}, {high}{hi}" if high is not None else f"{'>=' if inclusive[0] else '>'} {low}"
+                raise UsageError(f"{where} is {value}, but it must be {span}; set it within that range.")
         if not m.verifier:
-            raise ValueError("model.verifier is not set; pass the verifier's Hub id or local directory (--verifier).")
+            raise UsageError("model.verifier is not set; pass the verifier's Hub id or local directory (--verifier).")
         if not d.train_data:
-            raise ValueError("data.train_data is not set; pass a chat dataset (Hub id, JSONL or Parquet) via --train_data.")
+            raise UsageError("data.train_data is not set; pass a chat dataset (Hub id, JSONL or Parquet) via --train_data.")
         if d.max_seq_length > d.total_seq_length:
-            raise ValueError(f"data.max_seq_length {d.max_seq_length} exceeds the packing window data.total_seq_length "
+            raise UsageError(f"data.max_seq_length {d.max_seq_length} exceeds the packing window data.total_seq_length "
                              f"{d.total_seq_length}; a conversation must fit in one row.")
         if d.max_seq_length < 2 * m.block_size:
-            raise ValueError(f"data.max_seq_length {d.max_seq_length} is too short for blocks of {m.block_size}.")
-        if not 0.0 <= d.validation_ratio < 1.0:
-            raise ValueError(f"data.validation_ratio must be in [0, 1) (got {d.validation_ratio}).")
+            raise UsageError(f"data.max_seq_length {d.max_seq_length} is too short for blocks of {m.block_size}.")
         if t.optimizer not in ("muon", "adamw"):
-            raise ValueError(f"train.optimizer must be 'muon' or 'adamw' (got {t.optimizer!r}).")
+            raise UsageError(f"train.optimizer must be 'muon' or 'adamw' (got {t.optimizer!r}).")
         if t.save_steps is not None and t.save_steps % t.eval_steps and d.validation_ratio > 0:
-            raise ValueError(f"train.save_steps {t.save_steps} must be a multiple of train.eval_steps {t.eval_steps} "
+            raise UsageError(f"train.save_steps {t.save_steps} must be a multiple of train.eval_steps {t.eval_steps} "
                              f"so the best checkpoint is chosen by validation accept_len.")
         if t.max_steps <= 0 and t.num_train_epochs <= 0:
-            raise ValueError("set train.num_train_epochs > 0 or train.max_steps > 0.")
+            raise UsageError("set train.num_train_epochs > 0 or train.max_steps > 0.")
         if m.lora_rank and not m.init_from:
-            raise ValueError("LoRA adapts an existing drafter; set model.init_from to it (or lora_rank: 0).")
+            raise UsageError("LoRA adapts an existing drafter; set model.init_from to it (or lora_rank: 0).")
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
-            raise ValueError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
+            raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
         self.objective()  # validates the loss settings
 
-    def objective(self):
+    def objective(self, block_size: int | None = None):
+        """The loss settings; `block_size` is the trained drafter's (the run config's before it exists)."""
         from trainer.objective import ObjectiveConfig
 
         t = self.train
-        return ObjectiveConfig(block_size=self.model.block_size, max_anchors=t.max_anchors,
+        return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
                                loss_weights=dict(t.loss_weights), confidence_weight=t.confidence_weight,
                                decay_gamma=t.decay_gamma, ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements)
 
@@ -223,12 +284,65 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def save(self, directory: str) -> str:
-        path = os.path.join(directory, CONFIG_FILE)
+        path = os.path.join(directory, RUN_CONFIG_FILE)
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
         os.replace(tmp, path)
         return path
+
+
+def _RANGES(c: "RunConfig"):
+    """(name, value, low, high, (low inclusive, high inclusive)) for every bounded numeric setting."""
+    m, d, t = c.model, c.data, c.train
+    closed, positive, unit = (True, True), (False, True), (True, False)
+    return [
+        ("model.num_hidden_layers", m.num_hidden_layers, 1, None, closed),
+        ("model.intermediate_size", m.intermediate_size, 1, None, closed),
+        ("model.num_attention_heads", m.num_attention_heads, 1, None, closed),
+        ("model.num_key_value_heads", m.num_key_value_heads, 1, None, closed),
+        ("model.head_dim", m.head_dim, 1, None, closed),
+        ("model.sliding_window", m.sliding_window, 1, None, closed),
+        ("model.block_size", m.block_size, 1, None, closed),
+        ("model.draft_vocab_size", m.draft_vocab_size, 1, None, closed),
+        ("model.mask_token_id", m.mask_token_id, 0, None, closed),
+        ("model.markov_rank", m.markov_rank, 0, None, closed),
+        ("model.lora_rank", m.lora_rank, 0, None, closed),
+        ("model.lora_alpha", m.lora_alpha, 0, None, positive),
+        ("model.lora_dropout", m.lora_dropout, 0, 1, unit),
+        ("data.max_samples", d.max_samples, 1, None, closed),
+        ("data.max_seq_length", d.max_seq_length, 1, None, closed),
+        ("data.total_seq_length", d.total_seq_length, 1, None, closed),
+        ("data.validation_ratio", d.validation_ratio, 0, 1, unit),
+        ("data.num_proc", d.num_proc, 1, None, closed),
+        ("train.per_device_train_batch_size", t.per_device_train_batch_size, 1, None, closed),
+        ("train.gradient_accumulation_steps", t.gradient_accumulation_steps, 1, None, closed),
+        ("train.learning_rate", t.learning_rate, 0, None, positive),
+        ("train.muon_learning_rate", t.muon_learning_rate, 0, None, positive),
+        ("train.weight_decay", t.weight_decay, 0, None, closed),
+        ("train.muon_weight_decay", t.muon_weight_decay, 0, None, closed),
+        ("train.warmup_ratio", t.warmup_ratio, 0, 1, unit),
+        ("train.max_grad_norm", t.max_grad_norm, 0, None, positive),
+        ("train.max_anchors", t.max_anchors, 1, None, closed),
+        ("train.confidence_weight", t.confidence_weight, 0, None, closed),
+        ("train.decay_gamma", t.decay_gamma, 0, None, positive),
+        ("train.loss_chunk_elements", t.loss_chunk_elements, 1, None, closed),
+        ("train.eval_steps", t.eval_steps, 1, None, closed),
+        ("train.save_steps", t.save_steps, 1, None, closed),
+        ("train.logging_steps", t.logging_steps, 1, None, closed),
+        ("train.save_total_limit", t.save_total_limit, 1, None, closed),
+        ("train.dataloader_num_workers", t.dataloader_num_workers, 0, None, closed),
+        ("train.verifier_max_tokens_per_forward", t.verifier_max_tokens_per_forward, 1, None, closed),
+        ("train.cache_verifier_states_gb", t.cache_verifier_states_gb, 0, None, closed),
+    ]
+
+
+def _suggest(name: str, known, section: str, flag: bool = False) -> str:
+    """"did you mean ...?" for a mistyped key, else where the valid keys are documented."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    if close:
+        return f"did you mean --{section}.{close[0]}?" if flag else f"did you mean '{close[0]}'?"
+    return f"the keys of section {section} are documented in trainer/config.py."
 
 
 def name_in(section, key: str) -> bool:
@@ -247,11 +361,11 @@ def _coerce(value, hint, where: str):
                 return _coerce(value, a, where)
             except (TypeError, ValueError):
                 continue
-        raise ValueError(f"{where}: cannot use {value!r}; expected {hint}.")
+        raise UsageError(f"{where}: cannot use {value!r}; expected {hint}.")
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ValueError(f"{where}: expected true or false, got {value!r}.")
+        raise UsageError(f"{where}: expected true or false, got {value!r}.")
     if hint in (int, float):
         if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
             try:
@@ -259,21 +373,21 @@ def _coerce(value, hint, where: str):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: expected a number, got {value!r}.")
+            raise UsageError(f"{where}: expected a number, got {value!r}.")
         if hint is int and float(value) != int(value):
-            raise ValueError(f"{where}: expected an integer, got {value!r}.")
+            raise UsageError(f"{where}: expected an integer, got {value!r}.")
         return hint(value)
     if hint is str:
         if isinstance(value, (dict, list)):
-            raise ValueError(f"{where}: expected a string, got {value!r}.")
+            raise UsageError(f"{where}: expected a string, got {value!r}.")
         return str(value)
     if origin is list or hint is list:
         if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list, got {value!r}.")
+            raise UsageError(f"{where}: expected a list, got {value!r}.")
         inner = args[0] if args else None
         return [_coerce(v, inner, where) if inner else v for v in value]
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}.")
+            raise UsageError(f"{where}: expected a mapping, got {value!r}.")
         return value
     return value

@@ -9,38 +9,46 @@ One training step (`compute_loss`):
 
 Evaluation returns the teacher-forced acceptance metrics (`eval_accept_len`, `eval_accept_rate`,
 `eval_pos_k`, calibration), reduced as sums across batches and processes; the best checkpoint is the one
-with the highest `eval_accept_len`. Every checkpoint directory is a servable drafter (config.json,
-model.safetensors, the remote-code files) plus the Trainer's state, `dspark_run_config.yaml` and
-`dspark_data_stats.json`; a
-`dspark_checkpoint.json` marker, written last, says it is complete. The verifier is never saved.
+with the highest `eval_accept_len`. Every checkpoint directory is a servable drafter (trainer/servable.py)
+plus the Trainer's state, the run config and the data statistics; a completion marker, written last, says
+it is complete (the layout and its file names: trainer/checkpoints.py). The verifier is never saved.
 """
 
 import json
 import os
-import shutil
-import time
 
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from modeling_dspark import DSparkDraftModel
+from trainer.checkpoints import (
+    ADAPTER_DIR,
+    CHECKPOINT_PREFIX,
+    TRAINING_ARGS_FILE,
+    batch_log_file,
+    latest_checkpoint,
+    mark_complete,
+    rotate_checkpoints,
+    update_best_link,
+    write_data_stats,
+)
 from trainer.hidden_states import CachedStates, HiddenStateSource
 from trainer.objective import ObjectiveConfig, dspark_loss, reduce_stats, sample_anchors, stat_names
 
-COMPLETE_MARKER = "dspark_checkpoint.json"
-DATA_STATS_FILE = "dspark_data_stats.json"  # what the training data held (for reproducibility and the model card)
-ADAPTER_DIR = "adapter"
-SHAPE_KEYS = ("block_size", "draft_vocab_size", "aux_hidden_state_layer_ids", "markov_rank",
-              "enable_confidence_head", "confidence_head_with_markov", "mask_token_id")
-LAYER_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "layer_types", "sliding_window")
+assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR, "the Trainer's checkpoint prefix changed; update trainer/checkpoints.py"
 
 
 class DSparkTrainer(Trainer):
     def __init__(self, *args, source: HiddenStateSource, objective: ObjectiveConfig, run_config=None,
-                 data_stats: dict | None = None, **kwargs):
+                 data_stats: dict | None = None, save_total_limit: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        # The Trainer's own rotation runs before our completion marker exists and counts the checkpoint-best
+        # link as a checkpoint, so it is disabled (TrainingArguments.save_total_limit=None) and done here.
+        if self.args.save_total_limit:
+            raise ValueError("pass save_total_limit to DSparkTrainer, not to TrainingArguments (the Trainer's "
+                             "rotation would delete checkpoints before the new one is complete).")
+        self.save_total_limit = save_total_limit
         self.source = source
         cache_bytes = int((run_config.train.cache_verifier_states_gb if run_config else 0) * 2**30)
         self.train_source = CachedStates(source, cache_bytes) if cache_bytes else source
@@ -99,8 +107,7 @@ class DSparkTrainer(Trainer):
             return
         if self._batch_log is None:
             os.makedirs(self.args.output_dir, exist_ok=True)
-            path = os.path.join(self.args.output_dir, f"batches-rank{self.args.process_index}.jsonl")
-            self._batch_log = open(path, "a")
+            self._batch_log = open(batch_log_file(self.args.output_dir, self.args.process_index), "a")
         # The parameter checksum shows replicas stay in sync under DDP (same weights before every step).
         checksum = sum(float(p.detach().double().sum()) for p in self.model.parameters() if p.requires_grad)
         row = {"step": self.state.global_step, "rank": self.args.process_index,
@@ -156,9 +163,8 @@ class DSparkTrainer(Trainer):
         if self.run_config is not None:
             self.run_config.save(output_dir)
         if self.data_stats is not None:
-            with open(os.path.join(output_dir, DATA_STATS_FILE), "w") as f:
-                json.dump(self.data_stats, f, indent=2)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            write_data_stats(output_dir, self.data_stats)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
@@ -167,18 +173,12 @@ class DSparkTrainer(Trainer):
         directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         mark_complete(directory, self.state.global_step)
         self.update_best_link()
+        rotate_checkpoints(self.args.output_dir, self.save_total_limit, self.state.best_model_checkpoint)
 
     def update_best_link(self) -> None:
         """`<output_dir>/checkpoint-best` points at the checkpoint with the highest validation accept_len."""
-        best = self.state.best_model_checkpoint
-        if not (self.args.should_save and best and os.path.isdir(best)):
-            return
-        link = os.path.join(self.args.output_dir, "checkpoint-best")
-        tmp = f"{link}.tmp"
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        os.symlink(os.path.basename(os.path.normpath(best)), tmp)
-        os.replace(tmp, link)
+        if self.args.should_save:
+            update_best_link(self.args.output_dir, self.state.best_model_checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
@@ -191,66 +191,3 @@ class DSparkTrainer(Trainer):
             unwrapped.load_adapter(adapter, adapter_name="default", is_trainable=True)
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-
-# ------------------------------------------------------------------------------------------ checkpoint helpers
-def mark_complete(directory: str, step: int) -> None:
-    """Write the completion marker last and atomically: a checkpoint without it was interrupted mid-save."""
-    path = os.path.join(directory, COMPLETE_MARKER)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "complete": True, "time": time.time()}, f)
-    os.replace(tmp, path)
-
-
-def is_complete(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, COMPLETE_MARKER))
-
-
-def checkpoints(output_dir: str) -> list[str]:
-    """`checkpoint-N` directories in step order."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and name.split("-")[-1].isdigit() and os.path.isdir(path) \
-                and not os.path.islink(path):
-            found.append(path)
-    return sorted(found, key=lambda p: int(p.rsplit("-", 1)[-1]))
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest *complete* checkpoint; interrupted saves are moved aside (renamed `incomplete-checkpoint-N`)
-    so neither resuming nor the Trainer's rotation picks them up."""
-    latest = None
-    for path in checkpoints(output_dir):
-        if is_complete(path):
-            latest = path
-    return latest
-
-
-def quarantine_incomplete(output_dir: str) -> list[str]:
-    moved = []
-    for path in checkpoints(output_dir):
-        if not is_complete(path):
-            target = os.path.join(output_dir, "incomplete-" + os.path.basename(path))
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(path, target)
-            moved.append(target)
-    return moved
-
-
-def check_resume_compatible(checkpoint: str, config) -> None:
-    """Refuse to resume into a drafter whose shape differs from the checkpoint's, naming the fields."""
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        saved = json.load(f)
-    current = config.to_dict()
-    diffs = [f"{k}: {saved.get(k)} -> {current.get(k)}" for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
-    s_layer, c_layer = saved.get("transformer_layer_config", {}), current["transformer_layer_config"]
-    diffs += [f"{k}: {s_layer.get(k)} -> {c_layer.get(k)}" for k in LAYER_SHAPE_KEYS if s_layer.get(k) != c_layer.get(k)]
-    if diffs:
-        raise ValueError(
-            f"cannot resume from {checkpoint}: the model shape changed ({'; '.join(diffs)}); resume with the "
-            f"checkpoint's model settings or start a new output_dir."
-        )

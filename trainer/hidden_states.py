@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
-from modeling_dspark import VerifierStateCapture, verifier_decoder
+from modeling_dspark import VerifierStateCapture, document_segments, verifier_decoder
 from trainer.objective import Teacher
 
 
@@ -39,20 +38,6 @@ class HiddenStateSource(ABC):
     @abstractmethod
     def teacher(self) -> Teacher:
         """The verifier's final norm and softcap, applied by the loss to `last_hidden_state`."""
-
-
-def load_verifier(name_or_path: str, dtype: str = "auto", device: str | torch.device | None = None) -> nn.Module:
-    """Load a frozen verifier for in-process hidden states: bf16 on GPU, fp32 on CPU unless `dtype` says
-    otherwise; sdpa attention (works for every verifier family, including Gemma 4's 512-wide heads)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa")
-    return model.to(device).eval().requires_grad_(False)
 
 
 class InProcessVerifier(HiddenStateSource):
@@ -77,15 +62,7 @@ class InProcessVerifier(HiddenStateSource):
     def states(self, batch: dict[str, torch.Tensor]) -> VerifierStates:
         input_ids, documents = batch["input_ids"], batch["document_ids"]
         rows, length = input_ids.shape
-        segments = []  # (row, start, end) of every document
-        for r in range(rows):
-            doc = documents[r].tolist()
-            start = 0
-            for t in range(1, length + 1):
-                if t == length or doc[t] != doc[start]:
-                    if doc[start] >= 0:
-                        segments.append((r, start, t))
-                    start = t
+        segments = document_segments(documents)  # (row, start, end) of every document
         device = self.device
         aux_out = last_out = None
         segments.sort(key=lambda s: s[2] - s[1], reverse=True)

@@ -1,4 +1,4 @@
-"""The training objective (dspark-algorithm.md sections 2, 6, 7, 8): which blocks are trained, what they are
+"""The training objective (docs/algorithm.md): which blocks are trained, what they are
 trained toward, the loss, and the teacher-forced acceptance metrics.
 
 Everything here is the single place for its concept: anchor sampling and the block supervision mask,
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from modeling_dspark import index_within_runs
 
 LOSS_NAMES = ("ce", "tv", "kl")
 
@@ -51,11 +53,7 @@ def sample_anchors(
     order = key.argsort(dim=1)
     sorted_docs = document_ids.gather(1, order)
     sorted_cand = cand.gather(1, order)
-    index = torch.arange(length, device=cand.device).expand(rows, length)
-    starts = torch.ones_like(sorted_cand)
-    starts[:, 1:] = sorted_docs[:, 1:] != sorted_docs[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    keep_sorted = sorted_cand & (index - first < max_anchors)
+    keep_sorted = sorted_cand & (index_within_runs(sorted_docs) < max_anchors)
     keep = torch.zeros_like(cand).scatter(1, order, keep_sorted)
     counts = keep.sum(dim=1)
     n = int(counts.max()) if rows else 0

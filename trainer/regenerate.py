@@ -25,10 +25,11 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from trainer.data import normalize_messages  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
+from trainer.verifier import generation_kwargs, load_verifier, resolve_sampling  # noqa: E402
 
 
 def prompt_rows(source: str, split: str | None = None, max_samples: int | None = None) -> list[dict]:
@@ -82,16 +83,10 @@ def regenerate(
                          f"verifier.")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = (torch.bfloat16 if device == "cuda" else torch.float32) if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
-    gen = model.generation_config
-    sample = gen.do_sample if temperature is None else temperature > 0
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tokenizer.pad_token_id)
-    if sample:
-        kwargs.update(temperature=temperature or gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
+    model = load_verifier(path, dtype=dtype)
+    device = model.device
+    sampling = resolve_sampling(model, temperature)
+    kwargs = generation_kwargs(sampling, max_new_tokens, tokenizer.pad_token_id)
 
     rows = prompt_rows(prompts, split=split, max_samples=max_samples)
     done = set()

@@ -25,8 +25,16 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
 
-from configuration_dspark import DSparkConfig  # noqa: E402
+from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id  # noqa: E402
 from modeling_dspark import DSparkDraftModel  # noqa: E402
+from trainer.checkpoints import (  # noqa: E402
+    check_output_dir,
+    check_resume_compatible,
+    clear_run,
+    latest_checkpoint,
+    quarantine_incomplete,
+    write_summary,
+)
 from trainer.config import RunConfig  # noqa: E402
 from trainer.data import (  # noqa: E402
     DSparkCollator,
@@ -36,18 +44,16 @@ from trainer.data import (  # noqa: E402
     prepare_conversations,
     split_train_validation,
 )
-from trainer.dspark_trainer import (  # noqa: E402
-    DSparkTrainer,
-    check_resume_compatible,
-    latest_checkpoint,
-    quarantine_incomplete,
-)
-from trainer.hidden_states import InProcessVerifier, load_verifier  # noqa: E402
+from trainer.dspark_trainer import DSparkTrainer  # noqa: E402
+from trainer.errors import UsageError, run_cli  # noqa: E402
+from trainer.hidden_states import InProcessVerifier  # noqa: E402
 from trainer.optim import MuonAdamWFactory  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
+from trainer.verifier import load_verifier, resolve_pretrained  # noqa: E402
 from trainer.vocab import build_draft_vocab  # noqa: E402
 
 logger = logging.getLogger("dspark")
+DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
 
 def parse_args(argv: list[str]) -> RunConfig:
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 def train(config: RunConfig) -> dict:
     started = time.time()
     m, d, t = config.model, config.data, config.train
+    verifier_path = preflight(config)
     transformers.set_seed(t.seed)
     has_validation = d.validation_ratio > 0
     args = build_training_arguments(config, has_validation)
@@ -87,8 +94,14 @@ def train(config: RunConfig) -> dict:
                         stream=sys.stdout)
     if not args.should_log:
         logger.setLevel(logging.WARNING)
+    if t.overwrite_output_dir and not t.resume_from_checkpoint:
+        if args.should_save:
+            removed = clear_run(t.output_dir)
+            if removed:
+                logger.warning("overwrite_output_dir: removed the previous run's %s from %s", ", ".join(removed),
+                               t.output_dir)
+        args_barrier(args)
 
-    verifier_path = resolve_model(m.verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
 
     with args.main_process_first(desc="preparing the chat data"):
@@ -161,9 +174,10 @@ def train(config: RunConfig) -> dict:
         optimizer_cls_and_kwargs=optimizer,
         source=InProcessVerifier(verifier, drafter.config.aux_hidden_state_layer_ids,
                                  max_tokens_per_forward=t.verifier_max_tokens_per_forward),
-        objective=config.objective(),
+        objective=config.objective(block_size=drafter.config.block_size),
         run_config=config,
         data_stats=data_stats,
+        save_total_limit=t.save_total_limit,
     )
     # The initial evaluation runs inside train() (eval_on_start): calling trainer.evaluate() before train()
     # registers the unwrapped model with accelerate, and training then silently runs without DDP.
@@ -182,10 +196,7 @@ def train(config: RunConfig) -> dict:
         "wall_time_s": time.time() - started,
     }
     if args.should_save:
-        import json
-
-        with open(os.path.join(t.output_dir, "dspark_train_summary.json"), "w") as f:
-            json.dump({**summary, "final_metrics": final, "data": data_stats}, f, indent=2)
+        write_summary(t.output_dir, {**summary, "final_metrics": final, "data": data_stats})
     if has_validation:
         logger.warning(
             "done: validation accept_len %.4f (initial %s) after %d steps in %.0f s; best checkpoint %s",
@@ -224,7 +235,7 @@ def build_training_arguments(config: RunConfig, has_validation: bool) -> Trainin
         eval_steps=t.eval_steps if has_validation else None,
         save_strategy="steps",
         save_steps=t.save_steps or t.eval_steps,
-        save_total_limit=t.save_total_limit,
+        save_total_limit=None,  # DSparkTrainer rotates, after the new checkpoint is complete
         load_best_model_at_end=has_validation,
         metric_for_best_model="accept_len" if has_validation else None,
         greater_is_better=True,
@@ -242,21 +253,63 @@ def build_training_arguments(config: RunConfig, has_validation: bool) -> Trainin
     )
 
 
+def preflight(config: RunConfig) -> str:
+    """Check everything that needs the disk or a model's config but nothing heavy, before any data is read or
+    any model is loaded: the output_dir, the verifier (its config only: layer count for the aux ids, vocabulary
+    for the draft vocabulary and mask token), the `init_from` drafter, local data paths and the resume target.
+    Returns the verifier's resolved path."""
+    m, d, t = config.model, config.data, config.train
+    check_output_dir(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir)
+    if t.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(t.resume_from_checkpoint):
+        raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "
+                         f"'latest' or a checkpoint-N directory of this run.")
+    for source in (d.train_data if isinstance(d.train_data, list) else [d.train_data]):
+        local = source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")) or not is_hub_id(source)
+        if local and not os.path.exists(source):
+            raise UsageError(f"data.train_data {source} does not exist (and it is not a Hub dataset id); check the "
+                             f"path.")
+    if m.init_from:
+        resolve_pretrained(m.init_from, "init_from drafter")
+        adopt_init_from(config)
+    verifier_path, verifier_config = resolve_pretrained(m.verifier, "verifier")
+    text = verifier_config.get_text_config()
+    layers, vocab = getattr(text, "num_hidden_layers", None), getattr(text, "vocab_size", None)
+    if m.aux_hidden_state_layer_ids is not None and isinstance(layers, int):
+        try:
+            check_aux_layer_ids(m.aux_hidden_state_layer_ids, layers)
+        except ValueError as e:
+            raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
+    if isinstance(vocab, int):
+        if m.draft_vocab_size is not None and m.draft_vocab_size > vocab:
+            raise UsageError(f"model.draft_vocab_size {m.draft_vocab_size} exceeds the verifier's vocabulary of {vocab} "
+                             f"tokens; use at most {vocab} (or null for the full vocabulary).")
+        if m.mask_token_id is not None and m.mask_token_id >= vocab:
+            raise UsageError(f"model.mask_token_id {m.mask_token_id} is outside the verifier's vocabulary of {vocab} "
+                             f"tokens; use an id in 0..{vocab - 1} or leave it unset.")
+    return verifier_path
+
+
+def adopt_init_from(config: RunConfig) -> None:
+    """`init_from` continues an existing drafter, so its architecture wins over the run config's (block size
+    included, so the objective trains exactly the drafter's slots); the run config is updated to match, so the
+    saved run config describes the drafter that was trained."""
+    m = config.model
+    existing = DSparkConfig.from_pretrained(resolve_model(m.init_from))
+    changed = m.adopt_architecture(existing.architecture())
+    for key, (ours, theirs) in changed.items():
+        logger.warning("model.%s: using the init_from drafter's %r instead of the run config's %r", key, theirs, ours)
+    config.validate()
+
+
 def build_drafter(config: RunConfig, verifier, tokenizer, vocab_ids) -> DSparkDraftModel:
     m = config.model
     if m.init_from:
         drafter = DSparkDraftModel.from_pretrained(resolve_model(m.init_from), dtype=torch.float32)
         logger.info("initialised from the drafter %s (its architecture and draft vocabulary are kept)", m.init_from)
     else:
-        overrides = {k: getattr(m, k) for k in (
-            "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "layer_types", "sliding_window", "block_size", "aux_hidden_state_layer_ids", "draft_vocab_size",
-            "mask_token_id", "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
-            "sliding_window_non_causal") if getattr(m, k) is not None}
-        if m.markov_rank == 0:
-            overrides["confidence_head_with_markov"] = False
         hub_id = m.verifier_id or (m.verifier if not os.path.exists(m.verifier) else None)
-        dconfig = DSparkConfig.from_verifier(verifier, verifier_name_or_path=hub_id, tokenizer=tokenizer, **overrides)
+        dconfig = DSparkConfig.from_verifier(verifier, verifier_name_or_path=hub_id, tokenizer=tokenizer,
+                                             **m.architecture_overrides())
         drafter = DSparkDraftModel(dconfig)
         if vocab_ids is not None:
             drafter.set_draft_vocab(vocab_ids)
@@ -283,4 +336,4 @@ def args_barrier(args: TrainingArguments) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

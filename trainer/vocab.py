@@ -1,4 +1,4 @@
-"""The draft vocabulary (dspark-algorithm.md section 9): the `Vd` most frequent supervised tokens of the
+"""The draft vocabulary (docs/algorithm.md): the `Vd` most frequent supervised tokens of the
 training split, sorted ascending, cached beside the tokenised data and stored in the drafter (`d2t`/`t2d`,
 set by `DSparkDraftModel.set_draft_vocab`, the one place where the id mapping is built)."""
 
@@ -41,7 +41,7 @@ def build_draft_vocab(train_dataset, vocab_size: int, draft_vocab_size: int, cac
         key = hashlib.sha1(f"{fingerprint}-{vocab_size}".encode()).hexdigest()[:16]
         path = os.path.join(directory, f"dspark-token-counts-{key}.pt")
     if path and os.path.exists(path):
-        counts = torch.load(path)
+        counts = torch.load(path, weights_only=True)
     else:
         counts = supervised_token_counts(train_dataset, vocab_size)
         if path:

@@ -1,0 +1,63 @@
+"""Checks that need a CUDA device (marker `gpu`; skipped without one): the bf16 + flex attention path that real
+training takes on a GPU must compute what the fp32/sdpa path computes on a CPU, and a bf16 run must train."""
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(verifier, drafter, rows: int = 2, length: int = 96):
+    from modeling_dspark import verifier_hidden_states
+    from trainer.objective import sample_anchors
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, drafter.config.vocab_size, (rows, length), generator=g).cuda()
+    documents = torch.zeros_like(ids)
+    documents[:, length // 2:] = 1  # two documents per row: the mask must keep them apart
+    aux, _ = verifier_hidden_states(verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    anchors = sample_anchors(torch.ones_like(ids), documents, 8, generator=torch.Generator().manual_seed(1))
+    return ids, aux, documents, anchors.cuda()
+
+
+def _loss_and_grads(drafter, ids, aux, documents, anchors):
+    drafter.zero_grad(set_to_none=True)
+    out = drafter(ids, aux.to(torch.bfloat16), anchors, document_ids=documents)
+    valid = anchors >= 0
+    loss = out.logits.float().logsumexp(-1)[valid].mean()
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def test_flex_attention_in_bf16_matches_sdpa_forward_and_backward(gemma4_verifier):
+    from tiny import tiny_drafter
+
+    verifier = copy.deepcopy(gemma4_verifier).cuda()
+    drafter = tiny_drafter(verifier).cuda().to(torch.bfloat16).train()
+    inputs = _inputs(verifier, drafter)
+    drafter.config._attn_implementation = "sdpa"
+    sdpa_loss, sdpa_grads = _loss_and_grads(drafter, *inputs)
+    drafter.config._attn_implementation = "flex_attention"
+    flex_loss, flex_grads = _loss_and_grads(drafter, *inputs)
+    assert torch.isfinite(flex_loss) and torch.allclose(flex_loss, sdpa_loss, rtol=2e-2)
+    assert set(flex_grads) == set(sdpa_grads) and sdpa_grads
+    for name, grad in sdpa_grads.items():
+        cosine = torch.nn.functional.cosine_similarity(grad.flatten(), flex_grads[name].flatten(), dim=0)
+        assert cosine > 0.99, (name, float(cosine))
+
+
+def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path):
+    from trainer.config import RunConfig
+    from trainer.run import train
+
+    summary = train(RunConfig.load(None, [
+        "--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir", str(tmp_path / "run"),
+        "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
+        "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
+        "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--max_anchors", "16",
+        "--learning_rate", "3e-3", "--max_steps", "20", "--eval_steps", "20", "--bf16", "auto"]))
+    assert summary["global_step"] == 20
+    assert summary["eval_accept_len"] > summary["initial_eval_accept_len"]

@@ -1,0 +1,53 @@
+"""The one error path of every command-line entry point.
+
+Expected failures (bad input, a refusal, a missing file, a failed upload) raise a `DSparkError` whose message
+is one sentence naming the cause and the fix. `run_cli` turns it into one line `error: <message>` on stderr and
+an exit status (2 for bad input, 1 for a runtime failure); anything else is a genuine bug and keeps its
+traceback. `--debug` (or `DSPARK_DEBUG=1`) shows the traceback of expected failures too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+
+class DSparkError(Exception):
+    """A failure reported to the user as one sentence (cause and fix). Exit status 1: the input was fine but
+    something at run time failed (disk, network, a diverged loss)."""
+
+    exit_code = 1
+
+
+class UsageError(DSparkError, ValueError):
+    """Bad input: a config value, a flag, a path or a file the user can fix. Exit status 2. Also a
+    `ValueError`, so library callers that catch `ValueError` keep working."""
+
+    exit_code = 2
+
+
+def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None, redact: tuple[str, ...] = ()) -> int:
+    """Call `main(argv)` and map expected failures to `error: ...` and an exit status.
+
+    `redact` lists secrets (a Hub token) that must never be printed, even inside an error message."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("DSPARK_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        main(argv)
+    except DSparkError as e:
+        if debug:
+            raise
+        message = " ".join(str(e).split())
+        for secret in redact:
+            if secret:
+                message = message.replace(secret, "***")
+        print(f"error: {message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; what was finished is kept (completed checkpoints, finished rows and files), so "
+              "rerun the same command to continue (for training, add --resume_from_checkpoint latest).",
+              file=sys.stderr)
+        return 130
+    return 0

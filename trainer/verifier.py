@@ -1,0 +1,95 @@
+"""The frozen verifier outside the drafter: loading it for training, evaluation and regeneration, and turning
+sampling settings into `generate()` arguments.
+
+Sampling settings themselves (what the verifier's `generation_config` implies when the user gives nothing)
+come from `modeling_dspark.sampling_defaults`, which speculative generation uses too, so a baseline
+`generate()`, a regeneration run and a speculative run all sample the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from modeling_dspark import sampling_defaults
+
+
+def torch_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are emulated and very slow on AVX2 machines)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_verifier(name_or_path: str, dtype: str = "auto", device: str | torch.device | None = None) -> nn.Module:
+    """A frozen (eval, no grad) causal LM with sdpa attention (works for every verifier family, including
+    Gemma 4's 512-wide heads), on `device` (default: the GPU when there is one)."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype, device),
+                                                 attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def resolve_sampling(verifier: nn.Module, temperature: float | None = None, top_k: int | None = None,
+                     top_p: float | None = None) -> dict:
+    """The sampling settings a run reports: `{"temperature": T}` when greedy, plus `top_k`/`top_p` when sampling,
+    each defaulting to the verifier's `generation_config`."""
+    settings = sampling_defaults(getattr(verifier, "generation_config", None), temperature, top_k, top_p)
+    out = {"temperature": float(settings["temperature"] or 0.0)}
+    if out["temperature"] > 0:
+        out.update(top_p=settings["top_p"], top_k=settings["top_k"])
+    return out
+
+
+def generation_kwargs(sampling: dict, max_new_tokens: int, pad_token_id: int | None) -> dict:
+    """`generate()` arguments for `resolve_sampling` settings; greedy clears the config's sampling fields so
+    transformers does not warn about (or apply) them."""
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sampling["temperature"] > 0, pad_token_id=pad_token_id)
+    if kwargs["do_sample"]:
+        kwargs.update(temperature=sampling["temperature"], top_k=sampling.get("top_k"), top_p=sampling.get("top_p"))
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    return kwargs
+
+
+def resolve_pretrained(name: str, what: str = "verifier"):
+    """`(path, config)` for a model given as a local directory, a registered small model or a Hub id, reading
+    only its config (nothing heavy), or one sentence saying why it cannot be loaded and what to pass instead."""
+    import os
+
+    import huggingface_hub
+    from transformers import AutoConfig
+
+    from configuration_dspark import is_hub_id
+    from trainer.errors import UsageError
+    from trainer.small_models import resolve_model
+
+    if not name:
+        raise UsageError(f"no {what} was given; pass a local directory or a Hub id.")
+    try:
+        path = resolve_model(name)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from e
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError(f"{what} {name} is a file, not a model directory; pass the directory holding its "
+                             f"config.json (or a Hub id).")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"{what} directory {name} has no config.json; pass a directory saved with "
+                             f"save_pretrained (or a Hub id).")
+    elif not is_hub_id(path):
+        raise UsageError(f"{what} directory {name} does not exist (and it is not a Hub id); check the path.")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    except (OSError, ValueError) as e:
+        if os.path.isdir(path):
+            raise UsageError(f"{what} directory {name} holds no readable config.json "
+                             f"({' '.join(str(e).split())[:160]}); pass a directory saved with save_pretrained.") from e
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
+            raise UsageError(f"{what} {name} is neither a local directory nor in the local Hugging Face cache, and "
+                             f"the Hub is offline (HF_HUB_OFFLINE=1); download it first, pass a local directory, or "
+                             f"unset HF_HUB_OFFLINE.") from e
+        raise UsageError(f"cannot read the config of {what} {name} from the Hub ({' '.join(str(e).split())[:160]}); "
+                         f"check the id and your access (`hf auth login`), or pass a local directory.") from e
+    return path, config
