@@ -42,9 +42,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 try:
-    from .configuration_dspark import SLIDING, DSparkConfig
+    from .configuration_dspark import SLIDING, DSparkConfig, check_aux_layer_ids
 except ImportError:  # imported as a top-level module (the package layout) rather than as remote code
-    from configuration_dspark import SLIDING, DSparkConfig
+    from configuration_dspark import SLIDING, DSparkConfig, check_aux_layer_ids
 
 
 # ================================================================================================
@@ -250,9 +250,7 @@ class VerifierStateCapture:
     def __init__(self, verifier: nn.Module, aux_layer_ids: Sequence[int]):
         self.layers = verifier_decoder(verifier).layers
         n = len(self.layers)
-        for i in aux_layer_ids:
-            if not 1 <= i <= n - 1:
-                raise ValueError(f"aux layer id {i} is out of range for a {n}-layer verifier; use ids in 1..{n - 1}.")
+        check_aux_layer_ids(list(aux_layer_ids), n)
         self.aux_layer_ids = list(aux_layer_ids)
         self._states: dict[int, torch.Tensor] = {}
         self._handles: list = []

@@ -1,9 +1,10 @@
 """Time one optimizer step on three 1536x576 matrices: AdamW, Muon with float32 Newton-Schulz (this project's
 CPU default) and Muon with bfloat16 Newton-Schulz (`torch.optim.Muon`).
 
-    .venv/bin/python benchmarks/muon_step.py [--repeats 5] [--skip-bf16] [--shape 1536 576] [--count 3]
+    .venv/bin/python benchmarks/muon_step.py [--repeats 5] [--threads N] [--skip-bf16] [--shape 1536 576] [--count 3]
 
-`ONEDNN_MAX_CPU_ISA=AVX2` emulates a CPU without native bf16 matmuls on one that has them.
+`ONEDNN_MAX_CPU_ISA=AVX2` emulates a CPU without native bf16 matmuls on one that has them. On a machine
+shared with other processes, `--threads 1` avoids oversubscribed multi-threaded kernels and is far steadier.
 """
 
 import argparse
@@ -36,8 +37,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shape", type=int, nargs=2, default=(1536, 576))
     parser.add_argument("--count", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--skip-bf16", action="store_true", help="skip the bf16 Muon (minutes without bf16 matmuls)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kw = dict(shape=tuple(args.shape), count=args.count, repeats=args.repeats)
     runs = {
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),

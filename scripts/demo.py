@@ -102,4 +102,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from trainer.errors import run_cli
+
+    sys.exit(run_cli(lambda argv: main()))

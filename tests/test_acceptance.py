@@ -9,6 +9,7 @@ import pytest
 
 from tiny import tiny_drafter
 from trainer.acceptance import evaluate_in_process, load_prompt_sets
+from trainer.errors import UsageError
 from trainer.results import (
     ACCEPTANCE_METRIC,
     SCHEMA,
@@ -94,7 +95,7 @@ def test_prompt_sets_in_the_benchmark_layout(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     sets = load_prompt_sets(str(tmp_path), limit=2)
     assert sets == {"qa": ["a?", "b?"], "writing": ["w"]}
-    with pytest.raises(FileNotFoundError, match="rag.jsonl does not exist"):
+    with pytest.raises(UsageError, match="rag.jsonl does not exist"):
         load_prompt_sets(str(tmp_path), ["rag"])
 
 

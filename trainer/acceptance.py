@@ -29,6 +29,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from configuration_dspark import is_hub_id  # noqa: E402
+from trainer.errors import UsageError, run_cli  # noqa: E402
 from trainer.results import (  # noqa: E402
     SUBSETS,
     AcceptanceStats,
@@ -44,28 +46,68 @@ __all__ = ["AcceptanceStats", "evaluate_in_process", "format_table", "load_promp
 
 # ------------------------------------------------------------------------------------------ prompt sets
 def load_prompt_sets(source: str, subsets: list[str] | None = None, limit: int | None = None) -> dict[str, list[str]]:
-    """`{subset: [prompt, ...]}` from a local directory of `<subset>.jsonl` files or a Hub dataset id."""
+    """`{subset: [prompt, ...]}` from a local directory of `<subset>.jsonl` files or a Hub dataset id.
+
+    Every problem is one sentence naming the file (and line): a missing directory, a directory without any
+    subset file, a line that is not JSON or has no string `prompt`, a subset file without prompts."""
     names = list(subsets or SUBSETS)
     out = {}
-    if os.path.isdir(source):
+    local = os.path.exists(source) or source.startswith((".", "/", "~")) or not is_hub_id(source)
+    if local:
+        if not os.path.isdir(source):
+            raise UsageError(f"prompt directory {source} does not exist or is not a directory; pass a directory of "
+                             f"<subset>.jsonl files (one `prompt` per line) or a Hub dataset id.")
         for name in names:
             path = os.path.join(source, f"{name}.jsonl")
             if not os.path.exists(path):
                 if subsets:  # explicitly requested
-                    raise FileNotFoundError(f"{path} does not exist; the prompt directory needs one <subset>.jsonl "
-                                            f"per subset with a `prompt` column.")
+                    raise UsageError(f"{path} does not exist; the prompt directory needs one <subset>.jsonl per "
+                                     f"subset with a `prompt` column.")
                 continue
-            with open(path, encoding="utf-8") as f:
-                out[name] = [json.loads(line)["prompt"] for line in f if line.strip()]
+            out[name] = _read_prompts(path)
+        if not out:
+            raise UsageError(f"prompt directory {source} holds none of the subset files ({', '.join(n + '.jsonl' for n in names[:3])}, "
+                             f"...); add <subset>.jsonl files with a `prompt` column or pass --subsets.")
     else:
         from datasets import load_dataset
 
         for name in names:
-            ds = load_dataset(source, data_files=f"{name}.jsonl", split="train")
+            try:
+                ds = load_dataset(source, data_files=f"{name}.jsonl", split="train")
+            except Exception as e:  # offline, missing file, no access: name the dataset and the fix
+                raise UsageError(f"cannot load subset {name} of the Hub dataset {source} "
+                                 f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); check the id and network, or "
+                                 f"pass a local directory of <subset>.jsonl files.") from e
+            if "prompt" not in ds.column_names:
+                raise UsageError(f"subset {name} of {source} has no `prompt` column (columns {ds.column_names}); pass "
+                                 f"a dataset in the speculator_benchmarks layout.")
             out[name] = list(ds["prompt"])
-    if not out:
-        raise ValueError(f"no prompt subsets found in {source}; expected files like {names[0]}.jsonl.")
     return {k: v[:limit] if limit else v for k, v in out.items()}
+
+
+def _read_prompts(path: str) -> list[str]:
+    prompts = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{path} line {number} is not valid UTF-8 ({e.reason}); save the file as UTF-8.") from e
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path} line {number} is not valid JSON ({e.msg}, column {e.colno}): "
+                                 f"{line.strip()[:60]!r}; fix or delete that line.") from e
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise UsageError(f"{path} line {number} has no string `prompt` field (found {keys}); write one "
+                                 f'{{"prompt": "..."}} object per line.')
+            prompts.append(row["prompt"])
+    if not prompts:
+        raise UsageError(f"{path} holds no prompts; add lines like {{\"prompt\": \"...\"}} or delete the file.")
+    return prompts
 
 
 # ------------------------------------------------------------------------------------------ in-process backend
@@ -142,22 +184,36 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", required=True, help="results JSON (a Markdown table is written beside it)")
     args = parser.parse_args(argv)
 
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-prompts", args.max_prompts),
+                        ("--throughput-prompts", args.throughput_prompts)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} is {value}; pass a positive number.")
+    if args.temperature is not None and args.temperature < 0:
+        raise UsageError(f"--temperature is {args.temperature}; pass 0 (greedy) or a positive temperature.")
+    if os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out} is a directory; pass the path of the results JSON file to write.")
+
     from transformers import AutoTokenizer
 
+    from configuration_dspark import DSparkConfig
     from modeling_dspark import DSparkDraftModel
-    from trainer.small_models import resolve_model
-    from trainer.verifier import load_verifier
+    from trainer.verifier import load_verifier, resolve_pretrained
 
-    drafter = DSparkDraftModel.from_pretrained(resolve_model(args.drafter), dtype=torch.float32)
-    verifier_name = args.verifier or drafter.config.verifier_local_path or drafter.config.verifier_name_or_path
+    # Everything that can be refused is refused before either model's weights are loaded.
+    drafter_path, _ = resolve_pretrained(args.drafter, "drafter")
+    dconfig = DSparkConfig.from_pretrained(drafter_path)
+    verifier_name = args.verifier or dconfig.verifier_local_path or dconfig.verifier_name_or_path
     if not verifier_name:
-        raise SystemExit("the drafter's config names no verifier; pass --verifier <hub id or directory>.")
-    verifier_path = resolve_model(verifier_name)
+        raise UsageError("the drafter's config names no verifier; pass --verifier <hub id or directory>.")
+    verifier_path, vconfig = resolve_pretrained(verifier_name, "verifier")
+    check_pairing(dconfig, vconfig, verifier_name)
+    prompt_sets = load_prompt_sets(args.prompts, args.subsets.split(",") if args.subsets else None, args.max_prompts)
+
+    drafter = DSparkDraftModel.from_pretrained(drafter_path, dtype=torch.float32)
     verifier = load_verifier(verifier_path)
     drafter.attach_verifier(verifier)
     drafter.to(verifier.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
-    prompt_sets = load_prompt_sets(args.prompts, args.subsets.split(",") if args.subsets else None, args.max_prompts)
     results = evaluate_in_process(drafter, verifier, tokenizer, prompt_sets, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   throughput=args.throughput, throughput_prompts=args.throughput_prompts,
@@ -167,5 +223,23 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def check_pairing(drafter_config, verifier_config, verifier_name: str) -> None:
+    """Refuse a drafter built for another verifier from the two configs alone (hidden size, vocabulary, layers)."""
+    text = verifier_config.get_text_config()
+    snap = drafter_config.verifier_text_config or {}
+    problems = []
+    if getattr(text, "hidden_size", None) != (drafter_config.target_hidden_size or drafter_config.hidden_size):
+        problems.append(f"hidden size {getattr(text, 'hidden_size', None)} vs the drafter's {drafter_config.hidden_size}")
+    if getattr(text, "vocab_size", None) != drafter_config.vocab_size:
+        problems.append(f"vocabulary {getattr(text, 'vocab_size', None)} vs the drafter's {drafter_config.vocab_size}")
+    layers = getattr(text, "num_hidden_layers", None)
+    if snap.get("num_hidden_layers") not in (None, layers):
+        problems.append(f"{layers} layers vs the {snap['num_hidden_layers']} the drafter was built for")
+    if problems:
+        raise UsageError(f"the drafter does not fit the verifier {verifier_name} ({'; '.join(problems)}); pass the "
+                         f"verifier it was trained for with --verifier "
+                         f"({drafter_config.verifier_name_or_path or 'see its config.json'}).")
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -4,6 +4,8 @@ plain weights whenever a checkpoint is written, so exported drafters never need 
 import torch
 from torch import nn
 
+from trainer.errors import UsageError
+
 
 def add_lora(drafter: nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str]) -> nn.Module:
     """Wrap the drafter's draft-layer projections with LoRA adapters; everything else is frozen."""
@@ -13,7 +15,7 @@ def add_lora(drafter: nn.Module, rank: int, alpha: float, dropout: float, target
                       if name.startswith("layers.") and isinstance(module, nn.Linear)
                       and name.rsplit(".", 1)[-1] in target_modules})
     if not modules:
-        raise ValueError(f"no draft-layer module matches lora_target_modules {target_modules}; use names such as "
+        raise UsageError(f"no draft-layer module matches lora_target_modules {target_modules}; use names such as "
                          f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, bias="none")
     return get_peft_model(drafter, config)

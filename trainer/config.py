@@ -268,7 +268,10 @@ class RunConfig:
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
-        self.objective()  # validates the loss settings
+        try:
+            self.objective()  # validates the loss settings
+        except ValueError as e:
+            raise UsageError(f"train: {e}") from e
 
     def objective(self, block_size: int | None = None):
         """The loss settings; `block_size` is the trained drafter's (the run config's before it exists)."""

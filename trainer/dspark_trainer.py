@@ -33,10 +33,15 @@ from trainer.checkpoints import (
     update_best_link,
     write_data_stats,
 )
+from trainer.errors import DSparkError, UsageError
 from trainer.hidden_states import CachedStates, HiddenStateSource
 from trainer.objective import ObjectiveConfig, dspark_loss, reduce_stats, sample_anchors, stat_names
 
 assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR, "the Trainer's checkpoint prefix changed; update trainer/checkpoints.py"
+
+
+class NonFiniteLossError(DSparkError, FloatingPointError):
+    """The loss diverged; training stopped before the update (a runtime failure: exit status 1)."""
 
 
 class DSparkTrainer(Trainer):
@@ -96,7 +101,7 @@ class DSparkTrainer(Trainer):
         if torch.isfinite(loss).item():
             return
         last = latest_checkpoint(self.args.output_dir)
-        raise FloatingPointError(
+        raise NonFiniteLossError(
             f"non-finite loss ({loss.item()}) at step {self.state.global_step + 1} on packed rows "
             f"{inputs['row_index'].tolist()}; training stopped before the update, so the last good checkpoint "
             f"({last or 'none saved yet'}) is intact: lower the learning rate or inspect those rows, then resume."
@@ -186,7 +191,7 @@ class DSparkTrainer(Trainer):
         if hasattr(unwrapped, "get_base_model"):
             adapter = os.path.join(resume_from_checkpoint, ADAPTER_DIR)
             if not os.path.isdir(adapter):
-                raise ValueError(f"{resume_from_checkpoint} has no LoRA adapter to resume from; resume a LoRA run "
+                raise UsageError(f"{resume_from_checkpoint} has no LoRA adapter to resume from; resume a LoRA run "
                                  f"from one of its own checkpoints.")
             unwrapped.load_adapter(adapter, adapter_name="default", is_trainable=True)
             return

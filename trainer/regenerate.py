@@ -27,16 +27,21 @@ if __package__ in (None, ""):
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.data import normalize_messages  # noqa: E402
-from trainer.small_models import resolve_model  # noqa: E402
-from trainer.verifier import generation_kwargs, load_verifier, resolve_sampling  # noqa: E402
+from trainer.errors import UsageError, run_cli  # noqa: E402
+from trainer.verifier import generation_kwargs, load_verifier, resolve_pretrained, resolve_sampling  # noqa: E402
 
 
 def prompt_rows(source: str, split: str | None = None, max_samples: int | None = None) -> list[dict]:
     """Rows with an `id` and the `messages` to answer (system/user turns, ending before the reply)."""
+    local = os.path.exists(source) or source.endswith((".json", ".jsonl", ".parquet")) or \
+        source.startswith((".", "/", "~")) or not is_hub_id(source)
+    if local and not os.path.exists(source):
+        raise UsageError(f"prompt file {source} does not exist; pass a JSONL file with a `prompt` column, chat rows, "
+                         f"or a Hub dataset id.")
     if source.endswith(".jsonl") and os.path.isfile(source):
-        with open(source, encoding="utf-8") as f:
-            raw = [json.loads(line) for line in f if line.strip()]
+        raw = _read_jsonl(source)
     else:  # a Hub dataset or local files: prompts-only sets are fine here, unlike for training
         from datasets import load_dataset
 
@@ -54,7 +59,7 @@ def prompt_rows(source: str, split: str | None = None, max_samples: int | None =
             while messages and messages[-1]["role"] == "assistant":
                 messages = messages[:-1]
         else:
-            raise ValueError(f"row {i} of {source} has neither a `prompt` nor a `messages`/`conversations` field; "
+            raise UsageError(f"row {i} of {source} has neither a `prompt` nor a `messages`/`conversations` field; "
                              f"give prompts as JSONL with a `prompt` column or chat rows.")
         if not messages:
             continue
@@ -62,6 +67,37 @@ def prompt_rows(source: str, split: str | None = None, max_samples: int | None =
         if max_samples and len(rows) >= max_samples:
             break
     return rows
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file; a bad line is one sentence naming the file and line."""
+    rows = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise UsageError(f"{path} line {number} is not valid JSON text ({e}); fix or delete that line.") from e
+            if not isinstance(row, dict):
+                raise UsageError(f"{path} line {number} is a JSON {type(row).__name__}, not an object; write one "
+                                 f"object per line.")
+            rows.append(row)
+    return rows
+
+
+def _read_finished(path: str) -> list[dict]:
+    """Rows already written by an earlier run; a truncated last line (a kill mid-write) is dropped from the file
+    so it is regenerated, any other unreadable line is refused (the file is not ours to rewrite)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+    return _read_jsonl(path)
 
 
 def regenerate(
@@ -76,10 +112,11 @@ def regenerate(
     seed: int = 0,
     dtype: str = "auto",
 ) -> dict:
-    path = resolve_model(verifier)
+    rows = prompt_rows(prompts, split=split, max_samples=max_samples)  # bad prompts are refused before any load
+    path, _ = resolve_pretrained(verifier, "verifier")
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tokenizer.chat_template is None:
-        raise ValueError(f"the tokenizer of {verifier} has no chat template; regenerate with an instruction-tuned "
+        raise UsageError(f"the tokenizer of {verifier} has no chat template; regenerate with an instruction-tuned "
                          f"verifier.")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -88,11 +125,11 @@ def regenerate(
     sampling = resolve_sampling(model, temperature)
     kwargs = generation_kwargs(sampling, max_new_tokens, tokenizer.pad_token_id)
 
-    rows = prompt_rows(prompts, split=split, max_samples=max_samples)
     done = set()
-    if os.path.exists(out):
-        with open(out, encoding="utf-8") as f:
-            done = {json.loads(line)["id"] for line in f if line.strip()}
+    if os.path.isdir(out):
+        raise UsageError(f"--out {out} is a directory; pass the path of the chat JSONL file to write.")
+    if os.path.exists(out):  # a rerun resumes: finished ids are skipped (a line cut by a kill is redone)
+        done = {str(r.get("id")) for r in _read_finished(out)}
     todo = [r for r in rows if r["id"] not in done]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     torch.manual_seed(seed)
@@ -144,4 +181,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -66,7 +66,7 @@ def parse_args(argv: list[str]) -> RunConfig:
             raise SystemExit(0)
         if argv[i] == "--config":
             if i + 1 >= len(argv):
-                raise SystemExit("--config needs a YAML file, e.g. --config configs/gemma-4-E4B-it.yaml")
+                raise UsageError("--config needs a YAML file; pass e.g. --config configs/gemma-4-E4B-it.yaml.")
             config_path = argv[i + 1]
             i += 2
         elif argv[i].startswith("--config="):
@@ -213,7 +213,7 @@ def build_training_arguments(config: RunConfig, has_validation: bool) -> Trainin
         import importlib.util
 
         if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-            raise ValueError("train.report_to is tensorboard but the tensorboard package is not installed; "
+            raise UsageError("train.report_to is tensorboard but the tensorboard package is not installed; "
                              "pip install tensorboard or pass --report_to none.")
     use_cpu = t.use_cpu or not torch.cuda.is_available()
     bf16 = (not use_cpu and torch.cuda.is_bf16_supported()) if t.bf16 == "auto" else str(t.bf16).lower() == "true"
@@ -308,8 +308,11 @@ def build_drafter(config: RunConfig, verifier, tokenizer, vocab_ids) -> DSparkDr
         logger.info("initialised from the drafter %s (its architecture and draft vocabulary are kept)", m.init_from)
     else:
         hub_id = m.verifier_id or (m.verifier if not os.path.exists(m.verifier) else None)
-        dconfig = DSparkConfig.from_verifier(verifier, verifier_name_or_path=hub_id, tokenizer=tokenizer,
-                                             **m.architecture_overrides())
+        try:
+            dconfig = DSparkConfig.from_verifier(verifier, verifier_name_or_path=hub_id, tokenizer=tokenizer,
+                                                 **m.architecture_overrides())
+        except ValueError as e:  # DSparkConfig's checks are one sentence with the fix already
+            raise UsageError(f"the model section does not describe a valid drafter for this verifier: {e}") from e
         drafter = DSparkDraftModel(dconfig)
         if vocab_ids is not None:
             drafter.set_draft_vocab(vocab_ids)
@@ -326,7 +329,7 @@ def len_vocab(verifier_path: str) -> int:
 def check_enough_supervision(train_set, block_size: int) -> None:
     supervised = sum(train_set["num_supervised"]) if len(train_set) else 0
     if supervised < block_size:
-        raise ValueError(f"the training split has {supervised} supervised tokens, fewer than one block of "
+        raise UsageError(f"the training split has {supervised} supervised tokens, fewer than one block of "
                          f"{block_size}; add conversations with assistant turns or lower model.block_size.")
 
 

@@ -7,13 +7,15 @@ import os
 
 import torch
 
+from trainer.errors import UsageError
+
 
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     """Top `draft_vocab_size` ids by count (ties: lower id first), filled with the lowest unused ids when the
     data has fewer distinct tokens, returned sorted ascending."""
     vocab_size = counts.numel()
     if draft_vocab_size > vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the verifier vocabulary of {vocab_size}.")
+        raise UsageError(f"draft_vocab_size {draft_vocab_size} exceeds the verifier vocabulary of {vocab_size}.")
     counts = counts.to(torch.long).cpu()
     # stable sort on -count keeps ascending ids among equal counts
     order = torch.sort(-counts, stable=True).indices
@@ -49,5 +51,5 @@ def build_draft_vocab(train_dataset, vocab_size: int, draft_vocab_size: int, cac
             torch.save(counts, tmp)
             os.replace(tmp, path)
     if int((counts > 0).sum()) == 0:
-        raise ValueError("the training split has no supervised tokens; check that the data has assistant turns.")
+        raise UsageError("the training split has no supervised tokens; check that the data has assistant turns.")
     return draft_vocab_from_counts(counts, draft_vocab_size)

@@ -1,0 +1,261 @@
+"""Bad input gets one sentence and nothing is lost: every CLI maps expected failures to `error: <cause>; <fix>`
+on one line with exit status 2 (bad input) or 1 (runtime failure), checks what it can before anything heavy
+is loaded, and never touches earlier outputs when it refuses."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.errors import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
+        "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
+        "--max_seq_length", "128", "--total_seq_length", "256", "--max_steps", "2"]
+
+
+def refused(main, argv, capsys, code=2) -> str:
+    """Run a CLI's main in-process through the shared error path; return its one-line message."""
+    assert run_cli(main, argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def no_heavy_loading(monkeypatch):
+    """Fail the test if data preparation or a model load starts: the refusal must come first."""
+    import trainer.run as run
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("validation must refuse the input before data or models are loaded")
+
+    monkeypatch.setattr(run, "load_chat_dataset", forbidden)
+    monkeypatch.setattr(run, "load_verifier", forbidden)
+
+
+# ------------------------------------------------------------------------------------------ trainer/run.py
+def test_config_file_problems(tmp_path, capsys, no_heavy_loading):
+    from trainer.run import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  verifier: x\n train: [\n")
+    assert "is not valid YAML" in refused(main, ["--config", str(bad)], capsys)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- model\n- data\n")
+    assert "holds a YAML list, not a mapping" in refused(main, ["--config", str(listed)], capsys)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  verifier: x\ntrain:\n  learnig_rate: 0.1\n")
+    assert "unknown key train.learnig_rate in the config; did you mean 'learning_rate'?" in \
+        refused(main, ["--config", str(typo)], capsys)
+    assert "config file nope.yaml does not exist" in refused(main, ["--config", "nope.yaml"], capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train.learnig_rate", "1"], "unknown option --train.learnig_rate; did you mean --train.learning_rate?"),
+    (["--trian.max_steps", "1"], "did you mean --train.max_steps?"),
+    (["--learning_rate", "0"], "train.learning_rate is 0.0, but it must be > 0"),
+    (["--learning_rate", "-1e-4"], "train.learning_rate is -0.0001, but it must be > 0"),
+    (["--block_size", "0"], "model.block_size is 0, but it must be >= 1"),
+    (["--warmup_ratio", "1.5"], "train.warmup_ratio is 1.5, but it must be in [0, 1)"),
+    (["--validation_ratio", "1"], "data.validation_ratio is 1.0, but it must be in [0, 1)"),
+])
+def test_flags_are_validated_with_suggestions(flags, message, capsys, no_heavy_loading):
+    from trainer.run import main
+
+    assert message in refused(main, ["--verifier", "x", "--train_data", "y", *flags], capsys)
+
+
+def test_paths_and_the_verifier_config_are_checked_before_loading(chat_verifier_dir, chat_data_file, tmp_path,
+                                                                  capsys, no_heavy_loading, monkeypatch):
+    from trainer.run import main
+
+    run = ["--train_data", chat_data_file, "--output_dir", str(tmp_path / "out"), *BASE]
+    assert "verifier directory ./no-such-verifier does not exist" in \
+        refused(main, ["--verifier", "./no-such-verifier", *run], capsys)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert "is neither a local directory nor in the local Hugging Face cache, and the Hub is offline" in \
+        refused(main, ["--verifier", "no-such-org/no-such-model", *run], capsys)
+    # the tiny chat verifier has 4 layers and SmolLM2's 49,152-token vocabulary
+    assert "aux layer id 4 is out of range for a 4-layer verifier; use ids in 1..3" in \
+        refused(main, ["--verifier", chat_verifier_dir, *run, "--aux_hidden_state_layer_ids", "[1, 4]"], capsys)
+    assert "model.draft_vocab_size 60000 exceeds the verifier's vocabulary of 49152" in \
+        refused(main, ["--verifier", chat_verifier_dir, *run, "--draft_vocab_size", "60000"], capsys)
+    assert "data.train_data missing.jsonl does not exist" in \
+        refused(main, ["--verifier", chat_verifier_dir, *run[2:], "--train_data", "missing.jsonl"], capsys)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert f"train.output_dir {a_file} is a file" in \
+        refused(main, ["--verifier", chat_verifier_dir, *run, "--output_dir", str(a_file)], capsys)
+
+
+def test_a_fresh_run_never_replaces_a_previous_one(chat_verifier_dir, chat_data_file, tmp_path, capsys,
+                                                   no_heavy_loading):
+    from trainer.checkpoints import COMPLETE_MARKER, SUMMARY_FILE
+    from trainer.run import main
+
+    out = tmp_path / "out"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "checkpoint-4" / COMPLETE_MARKER).write_text("{}")
+    (out / SUMMARY_FILE).write_text('{"global_step": 4}')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    message = refused(main, ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir",
+                             str(out), *BASE], capsys)
+    assert "already holds a run (checkpoint-4, dspark_train_summary.json)" in message
+    assert "--resume_from_checkpoint latest" in message and "--overwrite_output_dir true" in message
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_clears_only_what_a_run_wrote(tmp_path):
+    from trainer.checkpoints import BEST_LINK, SUMMARY_FILE, clear_run
+
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "incomplete-checkpoint-3").mkdir()
+    os.symlink("checkpoint-2", tmp_path / BEST_LINK)
+    (tmp_path / SUMMARY_FILE).write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("mine")
+    removed = clear_run(str(tmp_path))
+    assert sorted(removed) == sorted(["checkpoint-2", "incomplete-checkpoint-3", BEST_LINK, SUMMARY_FILE,
+                                      "model.safetensors"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+# ------------------------------------------------------------------------------------------ rotation
+def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    from trainer.checkpoints import COMPLETE_MARKER
+
+    path = root / f"checkpoint-{step}"
+    path.mkdir()
+    if complete:
+        (path / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_rotation_keeps_the_limit_the_best_and_the_newest(tmp_path):
+    from trainer.checkpoints import BEST_LINK, rotate_checkpoints, update_best_link
+
+    for step in (2, 4, 6, 8):
+        _checkpoint(tmp_path, step)
+    update_best_link(str(tmp_path), str(tmp_path / "checkpoint-2"))
+    deleted = rotate_checkpoints(str(tmp_path), 3, str(tmp_path / "checkpoint-2"))
+    # the best link is not a checkpoint: a limit of 3 keeps 3 real checkpoints, the best among them
+    assert [Path(p).name for p in deleted] == ["checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([BEST_LINK, "checkpoint-2", "checkpoint-6",
+                                                                  "checkpoint-8"])
+    # limit 1: the best and the newest both survive (the limit cannot delete either)
+    rotate_checkpoints(str(tmp_path), 1, str(tmp_path / BEST_LINK))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([BEST_LINK, "checkpoint-2", "checkpoint-8"])
+
+
+def test_rotation_never_counts_an_incomplete_checkpoint_as_the_newest(tmp_path):
+    from trainer.checkpoints import latest_checkpoint, rotate_checkpoints
+
+    for step in (2, 4):
+        _checkpoint(tmp_path, step)
+    _checkpoint(tmp_path, 6, complete=False)  # a save in progress (or killed): not a checkpoint yet
+    rotate_checkpoints(str(tmp_path), 1, None)
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
+# ------------------------------------------------------------------------------------------ trainer.acceptance
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, qwen3_verifier):
+    from tiny import tiny_drafter
+
+    path = tmp_path_factory.mktemp("drafter") / "d"
+    tiny_drafter(qwen3_verifier).save_pretrained(path)
+    return path
+
+
+def test_acceptance_refuses_before_loading_models(drafter_dir, chat_verifier_dir, qwen3_verifier, tmp_path, capsys,
+                                                  monkeypatch):
+    import modeling_dspark
+    from trainer.acceptance import main
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the refusal must come before the drafter's weights are loaded")
+
+    monkeypatch.setattr(modeling_dspark.DSparkDraftModel, "from_pretrained", forbidden)
+    out = ["--out", str(tmp_path / "r.json")]
+    assert "drafter directory ./no-such-drafter does not exist" in \
+        refused(main, ["--drafter", "./no-such-drafter", *out], capsys)
+    assert "the drafter does not fit the verifier" in \
+        refused(main, ["--drafter", str(drafter_dir), "--verifier", chat_verifier_dir, *out], capsys)
+    # prompt sets: checked with the drafter's own (matching) verifier, before any weights load
+    own = tmp_path / "own-verifier"
+    qwen3_verifier.save_pretrained(own)
+    capsys.readouterr()  # the save's progress bar
+    prompts = tmp_path / "prompts"
+    assert f"prompt directory {prompts} does not exist" in \
+        refused(main, ["--drafter", str(drafter_dir), "--verifier", str(own), "--prompts", str(prompts), *out], capsys)
+    prompts.mkdir()
+    assert "holds none of the subset files" in \
+        refused(main, ["--drafter", str(drafter_dir), "--verifier", str(own), "--prompts", str(prompts), *out], capsys)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_prompt_files_name_the_file_and_line(tmp_path):
+    from trainer.acceptance import load_prompt_sets
+    from trainer.errors import UsageError
+
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "a?"}\n{"question": "b?"}\n')
+    with pytest.raises(UsageError, match=r"qa.jsonl line 2 has no string `prompt` field \(found \['question'\]\)"):
+        load_prompt_sets(str(tmp_path))
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "a?"}\n{"prompt": "b?\n')
+    with pytest.raises(UsageError, match=r"qa.jsonl line 2 is not valid JSON"):
+        load_prompt_sets(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match="holds none of the subset files"):
+        load_prompt_sets(str(empty))
+    with pytest.raises(UsageError, match="prompt directory ./missing does not exist"):
+        load_prompt_sets("./missing")
+
+
+# ------------------------------------------------------------------------------------------ push_to_hub.py
+def test_push_refuses_a_truncated_weight_file(drafter_dir, tmp_path, capsys):
+    import shutil
+
+    import push_to_hub
+    from trainer.checkpoints import mark_complete
+
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(drafter_dir, checkpoint)
+    mark_complete(str(checkpoint), 3)
+    with open(checkpoint / "model.safetensors", "r+b") as f:
+        f.truncate(200)
+    code = push_to_hub.main(["--checkpoint", str(checkpoint), "--repo-id", "me/x", "--dry-run",
+                             str(tmp_path / "exported")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err
+    assert "model.safetensors is not a readable safetensors file" in err and "truncated or corrupt" in err
+    assert not (tmp_path / "exported").exists()
+
+
+# ------------------------------------------------------------------------------------------ real processes
+@pytest.mark.parametrize("argv, message", [
+    (["trainer/run.py", "--verifier", "x", "--train_data", "y", "--learning_rate", "0"],
+     "train.learning_rate is 0.0, but it must be > 0"),
+    (["-m", "trainer.acceptance", "--drafter", "./no-such-drafter", "--out", "r.json"],
+     "drafter directory ./no-such-drafter does not exist"),
+    (["-m", "trainer.regenerate", "--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl", "--out",
+      "o.jsonl"], "prompt file ./no-such.jsonl does not exist"),
+    (["push_to_hub.py", "--checkpoint", "./no-such-run", "--repo-id", "me/x", "--dry-run", "x"],
+     "checkpoint path ./no-such-run does not exist"),
+])
+def test_every_cli_prints_one_line_and_exits_2(argv, message):
+    started = time.time()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert time.time() - started < 120  # refused up front, not after loading anything heavy
