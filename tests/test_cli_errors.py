@@ -259,3 +259,21 @@ def test_every_cli_prints_one_line_and_exits_2(argv, message):
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert time.time() - started < 120  # refused up front, not after loading anything heavy
+
+
+def test_bad_data_files_are_named_before_the_verifier_loads(chat_verifier_dir, tmp_path, capsys, monkeypatch):
+    import trainer.run as run
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the data must be refused before the verifier is loaded")
+
+    monkeypatch.setattr(run, "load_verifier", forbidden)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    argv = ["--verifier", chat_verifier_dir, "--output_dir", str(tmp_path / "out"), *BASE]
+    assert "empty.jsonl" in refused(run.main, [*argv, "--train_data", str(empty)], capsys)
+    broken = tmp_path / "broken.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    broken.write_text("\n".join([good] * 20 + ['{"messages": [oops'] + [good] * 5) + "\n")
+    message = refused(run.main, [*argv, "--train_data", str(broken)], capsys)
+    assert "broken.jsonl" in message and "line 21" in message and "max_bad_line_ratio" in message

@@ -22,6 +22,7 @@ from trainer.data import (
     split_train_validation,
     supervised_token_counts,
 )
+from trainer.errors import UsageError, run_cli
 
 END_OF_TURN = "<|im_end|>\n"  # what SmolLM2's template appends after every message's content
 
@@ -275,15 +276,235 @@ def test_load_files_directories_and_saved_datasets(tmp_path):
 
 
 def test_load_errors_are_one_sentence(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist; check the path"):
+    with pytest.raises(UsageError, match="does not exist; pass an existing .jsonl/.json/.parquet file"):
         load_chat_dataset(str(tmp_path / "missing.jsonl"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="contains no .jsonl/.json/.parquet files"):
+    with pytest.raises(UsageError, match="contains no .jsonl/.json/.parquet files"):
         load_chat_dataset(str(empty))
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "completion": "c"}])
     with pytest.raises(ValueError, match="expected a `messages` column"):
         load_chat_dataset(str(bad))
+
+
+# ------------------------------------------------------------------------------- unreadable local data files
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """A private `datasets` cache, where clean copies of files with skipped lines are written."""
+    cache = tmp_path / "hf-datasets-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
+
+
+def chat_lines(n, offset=0):
+    return [json.dumps(r) for r in chat_rows(n, offset)]
+
+
+def write_lines(path, lines, end="\n"):
+    path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines[:-1])
+                     + (lines[-1] if isinstance(lines[-1], bytes) else lines[-1].encode()) + end.encode())
+    return path
+
+
+def usage_error(source, **kwargs) -> str:
+    """The message of the UsageError that loading `source` raises; it must be exactly a UsageError, on one line."""
+    with pytest.raises(UsageError) as excinfo:
+        load_chat_dataset(source, **kwargs)
+    assert excinfo.type is UsageError
+    message = str(excinfo.value)
+    assert "\n" not in message and message.endswith(".")
+    return message
+
+
+def test_empty_file_and_blank_lines_only_are_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    assert usage_error(str(empty)) == (
+        f"data file {empty} is empty (no rows); remove it from the data, or write chat rows into it."
+    )
+    blank = tmp_path / "blank.jsonl"
+    blank.write_bytes(b"\n  \n\t\r\n\n")
+    assert f"data file {blank} has only blank lines (no rows)" in usage_error(str(blank))
+    # inside a directory the empty file is named too, even among good files
+    write_jsonl(tmp_path / "good.jsonl", chat_rows(3))
+    assert f"data file {blank} has only blank lines" in usage_error(str(tmp_path))
+
+
+def test_file_that_is_not_json_at_all(tmp_path):
+    path = tmp_path / "notes.jsonl"
+    path.write_text("These are my notes.\nNot JSON at all.\n")
+    message = usage_error(str(path))
+    assert message.startswith(f"data file {path} line 1 is not valid JSON (Expecting value: column 1): "
+                              "'These are my notes.'; 2 of 2 non-blank lines (100%) of the data are unreadable")
+    assert message.endswith("fix or delete the bad lines, or raise data.max_bad_line_ratio.")
+
+
+def test_one_bad_line_in_200_is_skipped_counted_and_logged_once(tmp_path, datasets_cache, caplog):
+    lines = chat_lines(200)
+    lines[100] = '{"messages": [{"role": "user", "content": "q"}' + "'"  # line 101
+    path = write_lines(tmp_path / "chat.jsonl", lines)
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        ds = load_chat_dataset(str(path))
+    assert len(ds) == 199
+    expected = [r["messages"][0]["content"] for i, r in enumerate(chat_rows(200)) if i != 100]
+    assert [r["messages"][0]["content"] for r in ds] == expected  # order kept, only the bad line dropped
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("skipping 1 unreadable line(s) of 200 (0.5%, within max_bad_line_ratio=0.01)")
+    assert f"data file {path} line 101 is not valid JSON (" in warnings[0]
+    # the clean copy lives in the datasets cache, keyed by content, and is reused (so is the datasets cache)
+    copies = list((datasets_cache / "dspark_clean_jsonl").glob("*.jsonl"))
+    assert len(copies) == 1 and copies[0].read_text().count("\n") == 199
+    mtime = copies[0].stat().st_mtime_ns
+    assert load_chat_dataset(str(path)).to_list() == ds.to_list()
+    assert copies[0].stat().st_mtime_ns == mtime and path.read_text().count("\n") == 200  # source untouched
+
+
+def test_five_bad_lines_in_100_are_refused_quoting_the_first(tmp_path, datasets_cache):
+    lines = chat_lines(100)
+    for i in (9, 30, 50, 70, 90):
+        lines[i] = '{"messages": [{"role": "user", "content": "' + "x" * 200 + '"}], oops}'
+    path = write_lines(tmp_path / "chat.jsonl", lines)
+    message = usage_error(str(path))
+    quote = "'" + lines[9][:77] + "...'"
+    assert message == (
+        f"data file {path} line 10 is not valid JSON (Expecting property name enclosed in double quotes: "
+        f"column 249): {quote}; 5 of 100 non-blank lines (5%) of the data are unreadable, more than "
+        "max_bad_line_ratio=0.01 allows; fix or delete the bad lines, or raise data.max_bad_line_ratio."
+    )
+    assert len(load_chat_dataset(str(path), max_bad_line_ratio=0.05)) == 95  # the threshold is configurable
+    lines = chat_lines(300)
+    lines[7] = "not json"
+    path = write_lines(tmp_path / "strict.jsonl", lines)
+    assert f"{path} line 8 is not valid JSON" in usage_error(str(path), max_bad_line_ratio=0)
+    assert "is not a share in [0, 1]" in usage_error(str(path), max_bad_line_ratio=2)
+
+
+def test_bad_line_share_is_over_all_files_of_the_load(tmp_path, datasets_cache):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_lines(data / "a.jsonl", chat_lines(150))
+    b = write_lines(data / "b.jsonl", [*chat_lines(49, offset=150), "{"])  # 1 bad of 50, 1 of 200 overall
+    ds = load_chat_dataset(str(data))
+    assert len(ds) == 199 and ds[-1]["messages"][0]["content"] == "q198"
+    assert f"data file {b} line 50 is not valid JSON" in usage_error([str(b)])  # alone it is 2%: refused
+
+
+def test_truncated_last_line(tmp_path, datasets_cache, caplog):
+    lines = chat_lines(200)
+    path = write_lines(tmp_path / "cut.jsonl", [*lines, lines[0][:40]], end="")
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        assert len(load_chat_dataset(str(path))) == 200
+    assert f"data file {path} line 201 is truncated (the file ends inside a JSON value" in caplog.text
+    small = write_lines(tmp_path / "small.jsonl", [*lines[:5], lines[0][:40]], end="")
+    message = usage_error(str(small))
+    assert message.startswith(f"data file {small} line 6 is truncated (the file ends inside a JSON value: ")
+    assert f"'{lines[0][:40]}'" in message
+
+
+def test_invalid_utf8_names_the_line(tmp_path):
+    lines = [line.encode() for line in chat_lines(4)]
+    lines[2] = b'{"messages": "caf\xe9 \xff"}'
+    path = write_lines(tmp_path / "latin1.jsonl", lines)
+    message = usage_error(str(path))
+    assert message.startswith(f"data file {path} line 3 is not valid UTF-8 (byte 0xe9 at byte 18): "
+                              "'{\"messages\": \"caf\\xe9 \\xff\"}'; 1 of 4 non-blank lines (25%)")
+
+
+def test_json_line_that_is_not_an_object(tmp_path):
+    path = write_lines(tmp_path / "mixed.jsonl", [*chat_lines(2), '[{"role": "user", "content": "q"}]', "3"])
+    message = usage_error(str(path))
+    assert message.startswith(f"data file {path} line 3 is an array, not a JSON object (one chat row per line): "
+                              "'[{\"role\": \"user\", \"content\": \"q\"}]'; 2 of 4 non-blank lines (50%)")
+
+
+def test_json_files_holding_one_object_or_an_array(tmp_path):
+    rows = chat_rows(3)
+    one_line = tmp_path / "one.json"
+    one_line.write_text(json.dumps(rows[0]))
+    assert load_chat_dataset(str(one_line)).to_list() == rows[:1]
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(rows[1], indent=2))
+    assert load_chat_dataset(str(pretty)).to_list() == rows[1:2]
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(rows, indent=2))
+    assert load_chat_dataset(str(array)).to_list() == rows
+
+    scalar = tmp_path / "scalar.json"
+    scalar.write_text("42\n")
+    assert usage_error(str(scalar)) == (
+        f"data file {scalar} holds a number, not an array of rows or one row object; a .json file must be one "
+        "JSON array of row objects or one row object, otherwise write one JSON object per line (.jsonl)."
+    )
+    strings = tmp_path / "strings.json"
+    strings.write_text('["hello", "world"]')
+    assert f"data file {strings} is an array whose element 0 is a string, not a row object" in usage_error(
+        str(strings)
+    )
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(rows, indent=2).replace("}\n", "\n", 1))
+    assert usage_error(str(broken)).startswith(f"data file {broken} is not valid JSON (Expecting ',' delimiter: line ")
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(json.dumps(rows, indent=2)[:-30])
+    assert "is not valid JSON (Unterminated string" in usage_error(str(truncated))
+    assert "(the file ends early: truncated?)" in usage_error(str(truncated))
+
+
+def test_corrupt_parquet_file_is_named(tmp_path):
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"PAR1 this is not parquet")
+    assert usage_error(str(garbage)).startswith(
+        f"data file {garbage} is not a readable Parquet file (ArrowInvalid: Parquet magic bytes not found"
+    )
+    good = tmp_path / "good.parquet"
+    datasets.Dataset.from_list(chat_rows(50)).to_parquet(str(good))
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    message = usage_error([str(good), str(cut)])
+    assert message.startswith(f"data file {cut} is not a readable Parquet file (")
+    assert message.endswith("; re-export it or remove it from the data.")
+
+
+def test_missing_paths_and_empty_directories(tmp_path):
+    missing = tmp_path / "nowhere" / "train.jsonl"
+    assert usage_error(str(missing)) == (
+        f"data path {missing} does not exist; pass an existing .jsonl/.json/.parquet file, a directory of them, "
+        "or a Hub dataset id."
+    )
+    assert f"data path {tmp_path / 'no_such_dir'} does not exist" in usage_error(str(tmp_path / "no_such_dir"))
+    good = write_jsonl(tmp_path / "good.jsonl", chat_rows(2))
+    assert usage_error([str(good), str(missing)]) == (
+        f"data file {missing} does not exist; check the path (expected a .jsonl, .json or .parquet file)."
+    )
+    empty = tmp_path / "empty_dir"
+    (empty / ".hidden").mkdir(parents=True)
+    write_jsonl(empty / ".hidden" / "x.jsonl", chat_rows(2))
+    (empty / "notes.txt").write_text("not data")
+    assert usage_error(str(empty)) == (
+        f"data directory {empty} contains no .jsonl/.json/.parquet files (hidden ones are skipped) and is not a "
+        "save_to_disk dataset; put chat data files in it, or point at a file or a Hub dataset id."
+    )
+
+
+def test_blank_lines_with_mixed_content_types_load(tmp_path, datasets_cache, tokenizer):
+    # `datasets` fails ("Expected object or value") on blank lines when a field mixes strings and lists
+    rows = chat_rows(6)
+    rows[2]["messages"][1]["content"] = [{"type": "text", "text": "parts"}]
+    path = write_lines(tmp_path / "gaps.jsonl", [json.dumps(r) for r in rows[:3]] + ["", "  "]
+                       + [json.dumps(r) for r in rows[3:]] + [""])
+    ds = load_chat_dataset(str(path))
+    assert [r["messages"][0]["content"] for r in ds] == [f"q{i}" for i in range(6)]
+    prepared, stats = prepare_conversations(ds, tokenizer, 512)
+    assert stats.kept == 6 and len(prepared) == 6
+
+
+def test_unreadable_data_is_one_error_line_from_the_cli(tmp_path, capsys):
+    path = write_lines(tmp_path / "chat.jsonl", [*chat_lines(3), "oops"])
+    assert run_cli(lambda argv: load_chat_dataset(argv[0]), [str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: data file {path} line 4 is not valid JSON")
 
 
 def test_split_train_validation():

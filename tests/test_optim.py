@@ -1,11 +1,23 @@
 """Muon for the draft layers' projection matrices and fc, AdamW for everything else, as one optimizer."""
 
+import copy
+import math
+import statistics
+import time
+
 import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from tiny import tiny_drafter
-from trainer.optim import MuonAdamWFactory, MuonWithAdamW, muon_parameter_names
+from trainer.optim import (
+    DtypeMuon,
+    MuonAdamWFactory,
+    MuonWithAdamW,
+    muon_parameter_names,
+    newton_schulz_dtype_for,
+    zeropower_via_newton_schulz,
+)
 
 
 def test_parameter_split_is_exactly_right(gemma4_verifier):
@@ -27,6 +39,7 @@ def test_parameter_split_is_exactly_right(gemma4_verifier):
     opt = MuonAdamWFactory()(drafter, lr=1e-3)
     muon_opt, adamw_opt = opt.optimizers
     assert isinstance(muon_opt, torch.optim.Muon) and isinstance(adamw_opt, torch.optim.AdamW)
+    assert isinstance(muon_opt, DtypeMuon) and muon_opt.newton_schulz_dtype == "auto"  # the Trainer path's default
     ids = {id(p) for g in muon_opt.param_groups for p in g["params"]}
     assert ids == {id(drafter.get_parameter(n)) for n in expected_muon}
     assert all(p.ndim == 2 for g in muon_opt.param_groups for p in g["params"])
@@ -70,3 +83,181 @@ def test_one_optimizer_driven_by_one_scheduler_and_checkpointable():
                        opt.optimizers[1].state_dict()["state"][0]["exp_avg"])
     with pytest.raises(ValueError, match="different Muon/AdamW split"):
         MuonWithAdamW(named, lr=0.02).load_state_dict(state)
+
+
+# --- Newton-Schulz precision: float32 off CUDA, torch's bfloat16 on CUDA ------------------------------------
+
+SHAPES = [(48, 48), (96, 40), (40, 96)]  # square, tall, wide
+
+
+def _reference_muon_f64(params, grad_steps, *, lr, weight_decay, momentum, nesterov, a, b, c, ns_steps, eps):
+    """torch.optim.Muon's update (torch/optim/_muon.py) written out in float64, one matrix at a time."""
+    params = [p.detach().double().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    for grads in grad_steps:
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g.double()
+            bufs[i] = momentum * bufs[i] + (1 - momentum) * g  # buf.lerp_(grad, 1 - momentum)
+            u = (1 - momentum) * g + momentum * bufs[i] if nesterov else bufs[i]  # grad.lerp(buf, momentum)
+            rows, cols = u.shape
+            x = u.T if rows > cols else u
+            x = x / max(torch.linalg.matrix_norm(x).item(), eps)  # Frobenius norm
+            for _ in range(ns_steps):
+                gram = x @ x.T
+                x = a * x + (b * gram + c * gram @ gram) @ x
+            ortho = x.T if rows > cols else x
+            adjusted = lr * 0.2 * math.sqrt(max(rows, cols))  # adjust_lr_fn="match_rms_adamw"
+            params[i] = p * (1 - lr * weight_decay) - adjusted * ortho
+    return params
+
+
+def _run(make_opt, params, grad_steps):
+    params = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = make_opt(params)
+    for grads in grad_steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+def _problem(seed=0, steps=3):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(*s, generator=gen) * 0.05 for s in SHAPES]
+    grad_steps = [[torch.randn(*s, generator=gen) for s in SHAPES] for _ in range(steps)]
+    return params, grad_steps
+
+
+def _rel(x, ref, start):
+    """Relative error of the total update x - start against the reference update ref - start."""
+    return ((x.double() - ref).norm() / (ref - start.double()).norm()).item()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_float32_newton_schulz_is_torchs_update_only_more_precise(nesterov):
+    params, grad_steps = _problem()
+    hp = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, adjust_lr_fn="match_rms_adamw")
+    ours, opt = _run(lambda ps: DtypeMuon(ps, **hp), params, grad_steps)  # "auto": float32 on CPU
+    assert opt.newton_schulz_dtype == "auto" and newton_schulz_dtype_for("auto", ours[0].device) == torch.float32
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, **hp), params, grad_steps)  # torch's bf16, still in force
+    reference = _reference_muon_f64(params, grad_steps, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                                    a=3.4445, b=-4.7750, c=2.0315, ns_steps=5, eps=1e-7)
+    for mine, torchs, ref, start in zip(ours, theirs, reference, params):
+        assert _rel(mine, ref, start) < 1e-5  # float32 round-off only
+        assert 1e-3 < _rel(torchs, ref, start) < 3e-2  # torch.optim.Muon is bf16-accurate, and unpatched
+        assert _rel(mine, torchs.double(), start) < 3e-2  # the same update as torch's, to bf16 precision
+
+
+def test_bfloat16_setting_is_bit_identical_to_torch_muon_and_state_dicts_interchange():
+    params, grad_steps = _problem(seed=1, steps=2)
+    hp = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    ours, opt = _run(lambda ps: DtypeMuon(ps, newton_schulz_dtype="bfloat16", **hp), params, grad_steps)
+    theirs, torch_opt = _run(lambda ps: torch.optim.Muon(ps, **hp), params, grad_steps)
+    assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+    ours_sd, theirs_sd = opt.state_dict(), torch_opt.state_dict()
+    assert ours_sd["param_groups"] == theirs_sd["param_groups"]  # no extra keys: torch's state-dict format
+    assert all(torch.equal(ours_sd["state"][i]["momentum_buffer"], theirs_sd["state"][i]["momentum_buffer"])
+               for i in range(len(SHAPES)))
+    DtypeMuon([torch.nn.Parameter(p.clone()) for p in params], **hp).load_state_dict(theirs_sd)
+    torch.optim.Muon([torch.nn.Parameter(p.clone()) for p in params], **hp).load_state_dict(ours_sd)
+
+
+def test_newton_schulz_dtype_choice():
+    assert newton_schulz_dtype_for("auto", "cpu") == torch.float32
+    assert newton_schulz_dtype_for("auto", torch.device("cuda", 1)) == torch.bfloat16
+    assert newton_schulz_dtype_for("auto", "mps") == torch.float32 and newton_schulz_dtype_for("auto", "meta") == torch.float32
+    assert newton_schulz_dtype_for("bfloat16", "cpu") == torch.bfloat16
+    assert newton_schulz_dtype_for(torch.float32, "cuda") == torch.float32
+    for bad in ("fp32", "int8", torch.int64, "Tensor"):
+        with pytest.raises(ValueError, match="newton_schulz_dtype"):
+            newton_schulz_dtype_for(bad, "cpu")
+    with pytest.raises(ValueError, match="newton_schulz_dtype"):
+        MuonWithAdamW([("w", torch.nn.Parameter(torch.zeros(4, 4)))], lr=1e-3, muon_names={"w"},
+                      newton_schulz_dtype="float23")
+    opt = MuonWithAdamW([("w", torch.nn.Parameter(torch.zeros(4, 4)))], lr=1e-3, muon_names={"w"},
+                        newton_schulz_dtype="bfloat16")
+    assert opt.optimizers[0].newton_schulz_dtype == "bfloat16"
+
+
+def test_newton_schulz_never_writes_into_its_input():
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.randn(40, 96, dtype=dtype)
+        before = grad.clone()
+        zeropower_via_newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+        zeropower_via_newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7, dtype)
+        assert torch.equal(grad, before)
+
+
+def test_resumed_optimizer_continues_bit_identically():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    names = {"0.weight", "2.weight"}
+    x, y = torch.randn(64, 24), torch.randn(64, 1)
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    opt = MuonWithAdamW(model.named_parameters(), lr=0.01, muon_names=names)
+    train(model, opt, 3)
+    resumed_model = copy.deepcopy(model)
+    resumed = MuonWithAdamW(resumed_model.named_parameters(), lr=0.01, muon_names=names)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert resumed.param_groups[0] is resumed.optimizers[0].param_groups[0]  # still the shared dicts
+    train(model, opt, 2)
+    train(resumed_model, resumed, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
+def _median_step_seconds(make_opt, params, gen, repeats):
+    opt = make_opt(params)
+    times = []
+    for _ in range(repeats + 1):  # the first step (buffer allocation, kernel selection) is a warm-up
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def muon_over_adamw_step_time(make_muon, repeats=5):
+    """Median Muon step time over median AdamW step time, on three 1536x576 matrices, on one CPU thread.
+
+    One thread, because with other processes on a small machine multi-threaded kernels oversubscribe the cores
+    and stall (an AdamW step measured 285 ms instead of 6 ms), which makes the ratio meaningless."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        params = [torch.nn.Parameter(torch.randn(1536, 576, generator=gen) * 0.02) for _ in range(3)]
+        adamw = _median_step_seconds(lambda ps: torch.optim.AdamW(ps, lr=1e-3), params, gen, repeats)
+        muon = _median_step_seconds(make_muon, [torch.nn.Parameter(p.detach().clone()) for p in params], gen, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return muon / adamw
+
+
+@pytest.mark.slow
+def test_cpu_muon_step_costs_a_bounded_multiple_of_an_adamw_step():
+    # Newton-Schulz is ~36 GFLOP here, AdamW a memory-bound pass over 2.7M values, so no Muon comes within 10x
+    # of AdamW on a CPU: float32 measures ~40-60x on a loaded 2-core AVX-512 machine. torch's bf16 Newton-Schulz
+    # without native bf16 matmuls measures ~1000x there (emulated with ONEDNN_MAX_CPU_ISA=AVX2 or with oneDNN
+    # off), more on a real AVX2 CPU; 200x sits between the two. With avx512_bf16 / AMX, bf16 is fast (~12x).
+    ratio = muon_over_adamw_step_time(lambda ps: MuonWithAdamW([(str(i), p) for i, p in enumerate(ps)], lr=1e-3,
+                                                               muon_names={"0", "1", "2"}))
+    assert ratio < 200, f"a Muon step costs {ratio:.0f}x an AdamW step"
+
+
+@pytest.mark.gpu
+def test_cuda_parameters_keep_torchs_bfloat16_newton_schulz():
+    params, grad_steps = _problem(seed=2, steps=2)
+    params = [p.cuda() for p in params]
+    grad_steps = [[g.cuda() for g in grads] for grads in grad_steps]
+    hp = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    ours, opt = _run(lambda ps: DtypeMuon(ps, **hp), params, grad_steps)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, **hp), params, grad_steps)
+    assert newton_schulz_dtype_for(opt.newton_schulz_dtype, params[0].device) == torch.bfloat16
+    assert all(torch.equal(x, y) for x, y in zip(ours, theirs))

@@ -90,6 +90,7 @@ class DataArgs:
     validation_ratio: float = 0.04
     split_seed: int = 42
     num_proc: int = 1
+    max_bad_line_ratio: float = 0.01  # unreadable lines in local JSON(L) files: skip up to this share, else refuse
 
 
 @dataclass
@@ -318,6 +319,7 @@ def _RANGES(c: "RunConfig"):
         ("data.total_seq_length", d.total_seq_length, 1, None, closed),
         ("data.validation_ratio", d.validation_ratio, 0, 1, unit),
         ("data.num_proc", d.num_proc, 1, None, closed),
+        ("data.max_bad_line_ratio", d.max_bad_line_ratio, 0, 1, closed),
         ("train.per_device_train_batch_size", t.per_device_train_batch_size, 1, None, closed),
         ("train.gradient_accumulation_steps", t.gradient_accumulation_steps, 1, None, closed),
         ("train.learning_rate", t.learning_rate, 0, None, positive),

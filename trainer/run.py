@@ -105,7 +105,8 @@ def train(config: RunConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
 
     with args.main_process_first(desc="preparing the chat data"):
-        raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples)
+        raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples,
+                                max_bad_line_ratio=d.max_bad_line_ratio)
         tokenized, stats = prepare_conversations(raw, tokenizer, d.max_seq_length, num_proc=d.num_proc)
         logger.info("data: %s", stats.summary())
         train_set, validation_set = split_train_validation(tokenized, d.validation_ratio, d.split_seed)
