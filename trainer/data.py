@@ -35,6 +35,7 @@ import torch
 from datasets.exceptions import DatasetGenerationError
 from tqdm.auto import tqdm
 
+from modeling_dspark import positions_from_document_ids
 from trainer.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -922,12 +923,12 @@ class PackedDataset(torch.utils.data.Dataset):
         doc_lengths = pc.list_value_length(input_ids).to_numpy().astype(np.int64)
         ids = pc.list_flatten(input_ids).to_numpy().astype(np.int64)
         mask = pc.list_flatten(table.column("loss_mask")).to_numpy().astype(np.int64)
-        starts = np.repeat(np.cumsum(doc_lengths) - doc_lengths, doc_lengths)
+        documents = torch.from_numpy(np.repeat(np.arange(len(row), dtype=np.int64), doc_lengths))
         return {
             "input_ids": torch.from_numpy(ids),
             "loss_mask": torch.from_numpy(mask),
-            "document_ids": torch.from_numpy(np.repeat(np.arange(len(row), dtype=np.int64), doc_lengths)),
-            "position_ids": torch.from_numpy(np.arange(len(ids), dtype=np.int64) - starts),
+            "document_ids": documents,
+            "position_ids": positions_from_document_ids(documents.unsqueeze(0))[0],
             "row_index": torch.tensor(index, dtype=torch.long),
         }
 
