@@ -596,6 +596,12 @@ def test_packed_rows_from_real_prepared_data(tokenizer):
     batch = DSparkCollator(tokenizer.pad_token_id)([packed[i] for i in range(len(packed))])
     assert int(batch["loss_mask"].sum()) == stats.supervised_tokens
     assert int((batch["document_ids"] >= 0).sum()) == stats.total_tokens
+    for i in range(len(packed)):  # brute force: each conversation of a row starts again at position 0
+        item, expected = packed[i], []
+        for conversation in rows[i]:
+            expected += list(range(prepared[conversation]["length"]))
+        assert item["position_ids"].tolist() == expected
+        assert item["input_ids"].tolist() == [t for c in rows[i] for t in prepared[c]["input_ids"]]
 
 
 def test_supervised_token_counts_match_counter():
