@@ -113,7 +113,9 @@ class DSparkConfig(PreTrainedConfig):
         markov_rank / markov_head_type: rank of the vanilla Markov logit bias (`0` disables it).
         enable_confidence_head / confidence_head_with_markov: the per-slot acceptance predictor.
         sample_from_anchor (`bool`): anchor-first layout (slot k predicts token p+k+1). Always `True`.
-        sliding_window_non_causal (`bool`): whether sliding layers attend bidirectionally inside a block.
+        sliding_window_non_causal (`bool`): whether sliding layers attend bidirectionally inside a block. Kept
+            for the speculators format, but vLLM never reads it and serves sliding layers causal, so the trainer
+            and the export refuse `True`.
         speculators_config (`dict`): the speculators/vLLM section; its verifier `name_or_path` is a Hub id.
         verifier_local_path (`str`): optional local verifier directory for in-process use.
         verifier_text_config (`dict`): snapshot of the verifier (hidden size, layers, vocab, softcap).

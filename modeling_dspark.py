@@ -7,8 +7,9 @@ hidden states of every token verified so far (the *context*), and a block of que
     ctx    = hidden_norm(fc(concat(verifier aux states)))           shared by every draft layer
     block  = verifier input-embedding rows of [anchor, MASK, ...]    raw rows: no Gemma sqrt(H) scale
     layer  : queries from the block; keys/values = k/v_proj([ctx ; block]) with k_norm and RoPE
-             context visible strictly before the anchor (same document, sliding window from the anchor);
-             own block causal on sliding layers, bidirectional on full layers
+             context visible strictly before the anchor (same document); own block causal on sliding
+             layers, bidirectional on full layers; sliding layers also window every query, as vLLM does:
+             the query at position i sees keys (context and block) at positions >= i - sliding_window + 1
     logits = lm_head(norm(h)) + markov_w2 . markov_w1[previous token]   over the draft vocabulary, no softcap
     conf   = sigmoid(w . [h ; markov_w1[previous token]] + b)           P(slot accepted | earlier slots accepted)
 
@@ -60,14 +61,19 @@ def dspark_mask_mod(
 ) -> Callable:
     """Return `mask_mod(b, h, q_idx, kv_idx) -> bool` for keys `[context (T) ; blocks (N*B)]`.
 
-    Query `q` belongs to block `j = q // B`, slot `k = q % B`, anchored at context index
-    `anchor_positions[b, j]` in document `anchor_document_ids[b, j]` (-1: padding block). It sees
+    Query `q` belongs to block `j = q // B`, slot `k = q % B`, anchored at context index `p =
+    anchor_positions[b, j]` in document `anchor_document_ids[b, j]` (-1: padding block). It sees
 
-    * context index `c` iff `c` is in the same document, `c < anchor` (the anchor's own verifier state does
-      not exist yet at serving time) and, for sliding layers, `c >= anchor - sliding_window`;
+    * context index `c` iff `c` is in the same document and `c < p` (the anchor's own verifier state does not
+      exist yet at serving time);
     * its own block: every slot (full layers / non-causal) or slots `<= k` (sliding layers, causal);
     * nothing else (no other block, so packed blocks train exactly as they are drafted, one at a time).
       Padding blocks see only their own block, so no row is ever fully masked.
+
+    Sliding layers (`sliding_window` W set) window each *query*, as vLLM's DSpark runtime does: the query at
+    position `i` sees keys at positions `>= i - W + 1`, context and block keys alike. Slot `k` sits at
+    position `pos[p] + k` and, within a document, positions are consecutive, so in index terms slot `k` sees
+    context index `c` iff `c >= p + k - W + 1` and own-block slot `j` iff `j >= k - W + 1`.
 
     The same function builds the dense sdpa/eager mask (broadcast indices) and flex's `BlockMask`, so the
     backends cannot disagree on what is visible.
@@ -83,12 +89,13 @@ def dspark_mask_mod(
         visible = in_context & (document >= 0) & (c < anchor)
         if context_len > 0:
             visible = visible & (context_document_ids[b, c] == document)
-        if sliding_window is not None:
-            visible = visible & (c >= anchor - sliding_window)
         key_slot = kv_idx - context_len
         own_block = ~in_context & (key_slot // block_size == block)
         if causal_block:
             own_block = own_block & (key_slot % block_size <= slot)
+        if sliding_window is not None:  # per query: keys at positions >= (query position) - W + 1
+            visible = visible & (c >= anchor + slot - (sliding_window - 1))
+            own_block = own_block & (key_slot % block_size >= slot - (sliding_window - 1))
         return visible | own_block
 
     return mask_mod
@@ -617,9 +624,9 @@ class DSparkDraftingMixin:
                 tempered draft distribution, which `probs` returns for speculative-sampling acceptance.
 
         The context's K/V per layer are projected once and appended to the cache. Then one backbone pass over
-        the block `[bonus, MASK x (B-1)]` at positions `len .. len+B-1`, which sees the whole context (a single
-        document; the anchor is the bonus token, whose own verifier state does not exist yet) and its own
-        block as in training. Then B sequential Markov steps: slot k's bias is conditioned on the previously
+        the block `[bonus, MASK x (B-1)]` at positions `len .. len+B-1`, which sees the context (a single
+        document; the anchor is the bonus token, whose own verifier state does not exist yet; on sliding layers
+        only the keys within each query's window) and its own block, with the training mask. Then B sequential Markov steps: slot k's bias is conditioned on the previously
         proposed token (the bonus for slot 0), mapped to verifier ids, exactly the teacher-forced chain of
         training when the proposals are correct.
         """

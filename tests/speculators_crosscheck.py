@@ -34,7 +34,9 @@ def check(kind: str, make_verifier, work: str) -> dict:
     vdir = os.path.join(work, f"{kind}-verifier")
     verifier.save_pretrained(vdir)
     # speculators reloads the embedding from `speculators_config.verifier.name_or_path`; point it at the local copy
-    ours = tiny_drafter(verifier, verifier_name_or_path=vdir)
+    # A window longer than the packed row: speculators 0.9.0 counts the sliding window from the anchor, vLLM (and
+    # this package) per query position, so the two agree exactly only when the window covers every context.
+    ours = tiny_drafter(verifier, verifier_name_or_path=vdir, sliding_window=64)
     report = {"verifier": type(verifier).__name__}
     for dtype in (torch.float32, torch.bfloat16):
         ddir = os.path.join(work, f"{kind}-drafter-{dtype}".replace("torch.", ""))

@@ -130,3 +130,61 @@ def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path
     assert json.loads((tmp_path / "r.json").read_text())["subsets"]["qa"]["steps"] == results["subsets"]["qa"]["steps"]
     assert "| qa |" in table and "Weighted mean acceptance length" in table
     assert (tmp_path / "r.md").read_text().strip() == format_table(results).strip()
+
+
+def test_fidelity_fields_round_trip_and_older_files_still_read(tmp_path):
+    """The fidelity check's fields go through the builder, writer, reader and table; a subset that was not
+    checked reads as None, and a file written before the check existed reads unchanged."""
+    from trainer.results import build_results
+
+    stats = {name: AcceptanceStats(block_size=2) for name in ("qa", "rag")}
+    stats["qa"].add([1, 3, 2], 5, 1.0)
+    stats["qa"].add_fidelity([1, 3], differing=0)  # the last step was cut: not compared
+    stats["rag"].add([2, 2], 3, 1.0)  # not checked (e.g. sampled)
+    with pytest.raises(ValueError, match="teacher-forced acceptance of 4 is outside 1..3"):
+        stats["rag"].add_fidelity([4], 0)
+    results = build_results(stats, backend="transformers", block_size=2, sampling={"temperature": 0.0},
+                            max_new_tokens=8)
+    qa, rag = results["subsets"]["qa"], results["subsets"]["rag"]
+    assert (qa["teacher_forced_acceptance_length"], qa["fidelity_steps"], qa["fidelity_steps_differing"]) == (2.0, 2, 0)
+    assert rag["teacher_forced_acceptance_length"] is rag["fidelity_steps"] is rag["fidelity_steps_differing"] is None
+    table = write_results(results, str(tmp_path / "r.json"))
+    assert "teacher_forced_acceptance_length | fidelity_steps_differing |" in table.splitlines()[0]
+    assert "| 3 | 2.000 | 0 of 2 |" in table and "| 2 | - | - |" in table  # steps, then the check
+    assert "0 of 2 compared verification steps differ" in table
+    read = {s.name: s for s in read_results(tmp_path / "r.json", block_size=2).subsets}
+    assert (read["qa"].teacher_forced_acceptance_length, read["qa"].fidelity_steps,
+            read["qa"].fidelity_steps_differing) == (2.0, 2, 0)
+    assert read["rag"].teacher_forced_acceptance_length is None and read["rag"].fidelity_steps_differing is None
+
+    older = json.loads((tmp_path / "r.json").read_text())
+    for sub in older["subsets"].values():
+        for key in ("teacher_forced_acceptance_length", "fidelity_steps", "fidelity_steps_differing"):
+            sub.pop(key)
+    (tmp_path / "old.json").write_text(json.dumps(older))
+    old = read_results(tmp_path / "old.json", block_size=2)
+    assert [s.fidelity_steps for s in old.subsets] == [None, None] and old.weighted == pytest.approx(10 / 5)
+    assert "teacher_forced" not in format_table(older) and "Fidelity" not in format_table(older)
+    older["subsets"]["qa"]["fidelity_steps_differing"] = 1.5
+    (tmp_path / "bad.json").write_text(json.dumps(older))
+    with pytest.raises(ResultsError, match="subsets.qa.fidelity_steps_differing is 1.5, not a finite integer"):
+        read_results(tmp_path / "bad.json", block_size=2)
+
+
+def test_cli_fidelity_check_flag(chat_verifier_dir, tmp_path):
+    """`--temperature 0` records the fidelity check; `--no-fidelity-check` records null."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.acceptance import main
+
+    verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
+    tiny_drafter(verifier, draft_vocab_size=None, mask_token_id=0).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "qa.jsonl").write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    common = ["--drafter", str(tmp_path / "drafter"), "--verifier", chat_verifier_dir, "--prompts",
+              str(tmp_path / "prompts"), "--temperature", "0", "--max-new-tokens", "6"]
+    on = main([*common, "--out", str(tmp_path / "on.json")])["subsets"]["qa"]
+    assert on["fidelity_steps"] >= 1 and on["fidelity_steps_differing"] == 0
+    off = main([*common, "--no-fidelity-check", "--out", str(tmp_path / "off.json")])["subsets"]["qa"]
+    assert off["fidelity_steps"] is None and off["teacher_forced_acceptance_length"] is None
+    assert json.loads((tmp_path / "off.json").read_text())["subsets"]["qa"]["fidelity_steps_differing"] is None

@@ -173,3 +173,19 @@ def test_generation_parameters_are_never_in_the_config(tmp_path):
     written = json.dumps(seed_config().to_dict())
     for key in ("temperature", "top_p", "top_k", "do_sample"):
         assert f'"{key}"' not in written
+
+
+def test_run_config_refuses_a_non_causal_sliding_window():
+    """vLLM never reads `sliding_window_non_causal` (it serves sliding layers causal), so a run that would train
+    bidirectional sliding layers is refused up front, in one sentence; the key itself stays in config.json."""
+    from trainer.config import RunConfig
+    from trainer.errors import UsageError
+
+    base = ["--verifier", "x", "--train_data", "y"]
+    assert RunConfig.load(None, base).model.sliding_window_non_causal is False
+    with pytest.raises(UsageError) as err:
+        RunConfig.load(None, [*base, "--sliding_window_non_causal", "true"])
+    message = str(err.value)
+    assert message.startswith("model.sliding_window_non_causal is true, but vLLM ignores it and serves the sliding "
+                              "layers causal inside the block")
+    assert message.endswith("set it to false.") and message.count(". ") == 0 and "\n" not in message

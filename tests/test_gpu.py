@@ -60,4 +60,10 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path):
         "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--max_anchors", "16",
         "--learning_rate", "3e-3", "--max_steps", "20", "--eval_steps", "20", "--bf16", "auto"]))
     assert summary["global_step"] == 20
-    assert summary["eval_accept_len"] > summary["initial_eval_accept_len"]
+    # the random chat verifier puts almost all its mass outside the draft vocabulary, so the draft-vocabulary
+    # (restricted) estimate is the one that measures learning here
+    import json
+
+    state = json.loads((tmp_path / "run" / "checkpoint-20" / "trainer_state.json").read_text())
+    evals = [h["eval_restricted_accept_len"] for h in state["log_history"] if "eval_restricted_accept_len" in h]
+    assert len(evals) >= 2 and evals[-1] > evals[0]

@@ -234,29 +234,61 @@ def test_vocab_maps_are_inverse(gemma4_verifier):
 
 # ------------------------------------------------------------------------------------------ attention mask
 def reference_mask(documents, anchors, block, window, causal):
-    """Brute force over every (query, key) pair. Query slot k of block j (anchor p) sees context index c iff the
-    anchor is real, c is in the anchor's document, c < p (strictly before the anchor) and, with a window,
-    c >= p - window; and it sees slot k2 of its own block iff k2 <= k (causal) or always (bidirectional);
-    nothing of any other block."""
+    """Brute force over every (query, key) pair, written from vLLM's DSpark runtime rule, by positions.
+
+    Positions restart at 0 in every document; slot k of the block anchored at p sits at position pos[p] + k.
+    Query slot k of block j sees context index c iff the anchor is real, c is in the anchor's document and
+    c < p (strictly before the anchor); it sees slot k2 of its own block iff k2 <= k (causal) or always
+    (bidirectional); nothing of any other block. With a window W (sliding layers), every query additionally
+    sees only keys at positions >= its own position - W + 1, context and own-block keys alike."""
     rows, T = documents.shape
     N = anchors.shape[1]
+    positions = torch.zeros(rows, T, dtype=torch.long)
+    for r in range(rows):
+        for t in range(1, T):
+            positions[r, t] = positions[r, t - 1] + 1 if documents[r, t] == documents[r, t - 1] else 0
+
+    def in_window(key_position, query_position):
+        return window is None or key_position >= query_position - window + 1
+
     out = torch.zeros(rows, N * block, T + N * block, dtype=torch.bool)
     for r in range(rows):
         for j in range(N):
             p = int(anchors[r, j])
+            real = p >= 0 and bool(documents[r, p] >= 0)
+            anchor_position = int(positions[r, p]) if real else 0
             for k in range(block):
                 q = j * block + k
+                query_position = anchor_position + k
                 for c in range(T):
-                    ok = p >= 0 and documents[r, p] >= 0 and documents[r, c] == documents[r, p] and c < p
-                    if window is not None:
-                        ok = ok and c >= p - window
-                    out[r, q, c] = ok
+                    out[r, q, c] = (real and bool(documents[r, c] == documents[r, p]) and c < p
+                                    and in_window(int(positions[r, c]), query_position))
                 for k2 in range(block):
-                    out[r, q, T + j * block + k2] = (k2 <= k) if causal else True
+                    out[r, q, T + j * block + k2] = (((k2 <= k) if causal else True)
+                                                     and in_window(anchor_position + k2, query_position))
     return out
 
 
-@pytest.mark.parametrize("window,causal", [(None, False), (None, True), (5, True), (5, False), (40, True)])
+def flex_visible(block_mask, rows, q_len, kv_len):
+    """What flex attention lets each query see under `block_mask`: attend with equal scores to one-hot values,
+    so output column `kv` of query `q` is positive iff key `kv` is visible to `q`."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    width = 1 << max(4, (kv_len - 1).bit_length())
+    values = torch.zeros(rows, 1, kv_len, width)
+    values[:, 0, torch.arange(kv_len), torch.arange(kv_len)] = 1.0
+    zeros = torch.zeros(rows, 1, q_len, 16), torch.zeros(rows, 1, kv_len, 16)
+    out = flex_attention(zeros[0], zeros[1], values, block_mask=block_mask)
+    return out[:, 0, :, :kv_len] > 0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window,causal", [
+    (None, False), (None, True),  # full-attention layers (and a causal block without a window)
+    (5, True), (5, False),  # documents of 9-12 tokens: contexts longer than the window
+    (2, True), (2, False), (1, True),  # window < block size: the own-block window clause
+    (40, True),  # a window longer than every document: no effect
+])
 def test_attention_mask_equals_brute_force(window, causal):
     documents = torch.tensor([[0] * 12 + [1] * 9 + [-1] * 3, [0, 0, 0] + [1] * 10 + [2] * 11])
     anchors = torch.tensor([[0, 4, 11, 12, 15, 20, -1], [1, 3, 4, 12, 13, 16, 23]])
@@ -271,7 +303,22 @@ def test_attention_mask_equals_brute_force(window, causal):
     assert torch.equal(dense[:, 0], expected)
     additive = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "eager", torch.float32)
     assert torch.equal(additive[:, 0] == 0, expected)
+    flex = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "flex_attention", torch.float32)
+    assert torch.equal(flex_visible(flex, 2, q, kv), expected)
     assert bool(expected.any(-1).all())  # every query sees at least itself
+
+
+def test_sliding_window_is_per_query_position():
+    """The window counts from each query's own position (vLLM's rule), not from the anchor: slot k of the block
+    anchored at p sees context from p + k - W + 1 on, and own-block slots from k - W + 1 on."""
+    W, block, T = 3, 4, 10
+    documents = torch.zeros(1, T, dtype=torch.long)
+    anchors = torch.tensor([[8]])
+    mod = dspark_mask_mod(documents, anchors, torch.zeros(1, 1, dtype=torch.long), block, W, True)
+    mask = build_attention_mask(mod, 1, block, T + block, torch.device("cpu"), "sdpa", torch.float32)[0, 0]
+    for k in range(block):
+        assert mask[k, :T].nonzero().flatten().tolist() == list(range(8 + k - W + 1, 8)), k
+        assert mask[k, T:].nonzero().flatten().tolist() == list(range(max(0, k - W + 1), k + 1)), k
 
 
 def test_outputs_depend_only_on_visible_context(gemma4_verifier):
@@ -280,21 +327,29 @@ def test_outputs_depend_only_on_visible_context(gemma4_verifier):
     ids, aux, _, documents, positions, _ = packed_batch(gemma4_verifier, drafter)
     anchors = torch.tensor([[10], [25]])
     base = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions).logits
-    for r, invisible in ((0, [10, 11, 30, 5]), (1, [25, 20, 39])):  # anchor itself, after it, other doc, window
+    # anchor itself, after it, other doc, outside the window (slot 0 at position p sees p-3..p-1 with W=4)
+    for r, invisible in ((0, [10, 11, 30, 6]), (1, [25, 20, 21, 39])):
         changed = aux.clone()
         changed[r, invisible] += 5.0
         out = drafter(ids, changed, anchors, document_ids=documents, position_ids=positions).logits
         assert torch.allclose(out, base, atol=1e-6), (r, invisible)
-    for r, visible in ((0, 9), (0, 6), (1, 21)):
+    for r, visible in ((0, 9), (0, 7), (1, 22)):
         changed = aux.clone()
         changed[r, visible] += 5.0
         out = drafter(ids, changed, anchors, document_ids=documents, position_ids=positions).logits
         assert not torch.allclose(out[r], base[r], atol=1e-4), (r, visible)
 
 
+# the default drafter (sliding window 6, then a full layer) and one whose window (2) is smaller than the block,
+# every layer sliding, over documents of 8-35 tokens
+WINDOWS = [dict(), dict(layer_types=["sliding_attention"] * 2, sliding_window=2)]
+
+
 @pytest.mark.slow
-def test_flex_attention_matches_sdpa(gemma4_verifier):
-    drafter = tiny_drafter(gemma4_verifier)
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("overrides", WINDOWS)
+def test_flex_attention_matches_sdpa(gemma4_verifier, overrides):
+    drafter = tiny_drafter(gemma4_verifier, **overrides)
     ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
     with torch.no_grad():
         sdpa = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
@@ -307,8 +362,9 @@ def test_flex_attention_matches_sdpa(gemma4_verifier):
     assert torch.allclose(sdpa.logits[valid], flex.logits[valid], atol=1e-5)
 
 
-def test_eager_matches_sdpa(gemma4_verifier):
-    drafter = tiny_drafter(gemma4_verifier)
+@pytest.mark.parametrize("overrides", WINDOWS)
+def test_eager_matches_sdpa(gemma4_verifier, overrides):
+    drafter = tiny_drafter(gemma4_verifier, **overrides)
     ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
     sdpa = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
     drafter.config._attn_implementation = "eager"
@@ -430,18 +486,29 @@ def test_gradients_reach_exactly_the_trainable_parameters(gemma4_verifier):
     assert sum(p.numel() for p in drafter.parameters()) < 200_000  # the verifier's tables are not inside
 
 
-def test_draft_greedy_equals_training_argmax_chain(gemma4_verifier):
-    drafter = tiny_drafter(gemma4_verifier)
+@pytest.mark.parametrize("overrides, prefix, lengths", [
+    (dict(), 0, (1, 7, 20)),
+    # contexts far longer than a window smaller than the block, every layer sliding, in a packed row whose
+    # document starts after another one (indices and positions differ)
+    (dict(layer_types=["sliding_attention"] * 2, sliding_window=2), 9, (1, 3, 12, 25)),
+    (dict(sliding_window=3), 5, (2, 20)),
+])
+def test_draft_greedy_equals_training_argmax_chain(gemma4_verifier, overrides, prefix, lengths):
+    drafter = tiny_drafter(gemma4_verifier, **overrides)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, VOCAB, (1, 30), generator=g)
     aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    other = torch.randint(3, VOCAB, (1, prefix), generator=g)
+    other_aux = torch.randn(1, prefix, aux.shape[-1], generator=g)
     B = drafter.block_size
-    for n in (1, 7, 20):
+    for n in lengths:
         proposal = drafter.draft(aux[0, :n], ids[0, n])
-        # teacher-force the proposed chain: row = context, bonus, proposals; anchor at the bonus
-        row = torch.cat([ids[0, : n + 1], proposal.token_ids[: B - 1]]).unsqueeze(0)
-        row_aux = torch.cat([aux[:, :n], torch.zeros(1, row.shape[1] - n, aux.shape[-1])], dim=1)
-        out = drafter(row, row_aux, torch.tensor([[n]]))
+        # teacher-force the proposed chain: row = [other document], context, bonus, proposals; anchor at the bonus
+        chain = torch.cat([ids[0, : n + 1], proposal.token_ids[: B - 1]])
+        row = torch.cat([other[0], chain]).unsqueeze(0)
+        row_aux = torch.cat([other_aux, aux[:, :n], torch.zeros(1, chain.shape[0] - n, aux.shape[-1])], dim=1)
+        documents = torch.tensor([[0] * prefix + [1] * chain.shape[0]])
+        out = drafter(row, row_aux, torch.tensor([[prefix + n]]), document_ids=documents)
         argmax = out.logits[0, 0].argmax(-1)
         assert torch.equal(argmax, proposal.draft_token_ids), n
         assert torch.equal(drafter.draft_to_verifier_ids(argmax), proposal.token_ids)
@@ -450,8 +517,31 @@ def test_draft_greedy_equals_training_argmax_chain(gemma4_verifier):
         assert torch.equal(proposal.probs.argmax(-1), proposal.draft_token_ids)
 
 
-def test_draft_cache_matches_full_recompute(gemma4_verifier):
-    drafter = tiny_drafter(gemma4_verifier)
+def test_sliding_window_is_per_query_in_the_model(gemma4_verifier):
+    """One sliding layer with W=3 < B=4, anchor at p: slot k sees context from p+k-2 on (and before p) and
+    own-block slots from k-2 on, so p-2 reaches slot 0 only, p-1 slots 0 and 1, p-3 none (the anchor-based
+    window showed every slot p-3..p-1), and the anchor token reaches slots 0..2."""
+    W = 3
+    drafter = tiny_drafter(gemma4_verifier, num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=W)
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
+    p, B = 12, drafter.block_size
+    anchors = torch.tensor([[p]])
+    base = drafter(ids, aux, anchors).last_hidden_state[0, 0]
+    for c in range(p - W - 1, p + 1):
+        changed = aux.clone()
+        changed[0, c] += 5.0
+        moved = ~torch.isclose(drafter(ids, changed, anchors).last_hidden_state[0, 0], base, atol=1e-6).all(-1)
+        assert moved.tolist() == [p + k - W + 1 <= c < p for k in range(B)], c
+    changed = ids.clone()
+    changed[0, p] = (ids[0, p] + 1) % VOCAB
+    moved = ~torch.isclose(drafter(changed, aux, anchors).last_hidden_state[0, 0], base, atol=1e-6).all(-1)
+    assert moved.tolist() == [k < W for k in range(B)]
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(layer_types=["sliding_attention"] * 2, sliding_window=2)])
+def test_draft_cache_matches_full_recompute(gemma4_verifier, overrides):
+    drafter = tiny_drafter(gemma4_verifier, **overrides)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
     aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
     cache = DSparkDraftCache()

@@ -1,5 +1,6 @@
 """Anchors, block supervision, teacher, loss and metrics against brute-force reference formulas."""
 
+import itertools
 import math
 import os
 import subprocess
@@ -103,78 +104,189 @@ def batch(verifier, drafter, seed=0):
     return ids, positions, aux, last, anchors
 
 
+def full_head(verifier) -> torch.Tensor:
+    return verifier.get_output_embeddings().weight
+
+
+def teacher_of(verifier) -> Teacher:
+    return Teacher(verifier_decoder(verifier).norm, verifier.config.get_text_config().final_logit_softcapping,
+                   full_head(verifier))
+
+
 def reference_loss(drafter, verifier, ids, positions, aux, last, anchors, cfg):
-    """Straight formulas over full (unchunked) logits."""
+    """Straight float64 formulas over full (unchunked) logits and a softmax over the verifier's whole vocabulary:
+    `p_full = softmax(softcap(norm(last) @ W_out^T))` over all V, its draft-vocabulary entries `pf`, and the
+    renormalised `pd = pf / sum(pf)`. Returns the loss (a graph, for gradients) and every metric."""
     out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions)
     norm = verifier_decoder(verifier).norm
-    W = drafter.lm_head.weight
+    W = full_head(verifier).double()
     cap = verifier.config.get_text_config().final_logit_softcapping
+    draft_ids = drafter.draft_vocab_ids
     sup = reference_supervision(MASK, DOCS, anchors, cfg.block_size)
-    total, S, rows = 0.0, 0, []
+    B, lw = cfg.block_size, cfg.loss_weights
+    total, slots, blocks = 0.0, [], []
     for r in range(2):
         for j in range(anchors.shape[1]):
-            chain, chain_greedy, block = 1.0, 1.0, []
-            for k in range(cfg.block_size):
+            if not sup[r, j, 0]:
+                continue
+            block = []
+            for k in range(B):
                 if not sup[r, j, k]:
-                    chain = 0.0
-                    chain_greedy = 0.0
-                    block.append((k, None))
-                    continue
-                p_pos = int(anchors[r, j]) + k
-                t_logits = norm(last[r, p_pos]) @ W.T
+                    break
+                logits = norm(last[r, int(anchors[r, j]) + k]).double() @ W.T
                 if cap:
-                    t_logits = torch.tanh(t_logits / cap) * cap
-                p = torch.softmax(t_logits.double(), -1)
-                q = torch.softmax(out.logits[r, j, k].double(), -1)
-                tv = 0.5 * (p - q).abs().sum()
-                ce = -torch.log(q[p.argmax()])
-                a = 1 - tv
+                    logits = torch.tanh(logits / cap) * cap
+                p_full = torch.softmax(logits, -1)
+                pf = p_full[draft_ids]
+                pd = pf / pf.sum()
+                p = pf if cfg.teacher_vocab == "full" else pd
+                log_q = torch.log_softmax(out.logits[r, j, k].double(), -1)
+                q = log_q.exp()
+                ce = -log_q[pd.argmax()]
+                tv = 1 - torch.minimum(p, q).sum()
+                kl = (p * (p.log() - log_q)).sum()
+                acceptance = float(torch.minimum(pf, q.detach()).sum())
+                greedy = float(draft_ids[q.argmax()] == p_full.argmax())
+                target = {"greedy": float(pf[q.argmax()]), "greedy_t0": greedy, "sampled": acceptance}[
+                    cfg.confidence_target]
                 c = out.confidence_logits[r, j, k].double()
-                bce = -(a * torch.log(torch.sigmoid(c)) + (1 - a) * torch.log(1 - torch.sigmoid(c)))
+                bce = -(target * torch.log(torch.sigmoid(c)) + (1 - target) * torch.log(1 - torch.sigmoid(c)))
                 w = math.exp(-k / cfg.decay_gamma)
-                total = total + w * (0.1 * ce + 0.9 * tv) + 1.0 * w * bce
-                S += 1
-                chain *= float(a.detach())
-                chain_greedy *= float(q.argmax() == p.argmax())
-                block.append((k, chain, chain_greedy, float(a.detach())))
-            if sup[r, j, 0]:
-                rows.append(block)
-    accept_len = sum(1 + sum(e[1] for e in b if e[1] is not None) for b in rows) / len(rows)
-    greedy_len = sum(1 + sum(e[2] for e in b if e[1] is not None) for b in rows) / len(rows)
-    pos = [sum(e[1] for b in rows for e in b if e[0] == k and e[1] is not None) / len(rows)
-           for k in range(cfg.block_size)]
-    return total / S, accept_len, greedy_len, pos, S
+                total = total + w * (lw.get("ce", 0) * ce + lw.get("tv", 0) * tv + lw.get("kl", 0) * kl) \
+                    + cfg.confidence_weight * w * bce
+                slot = dict(k=k, ce=w * float(ce.detach()), tv=w * float(tv.detach()), kl=w * float(kl.detach()),
+                            bce=w * float(bce.detach()),
+                            acceptance=acceptance, restricted=float(torch.minimum(pd, q.detach()).sum()),
+                            greedy=greedy, coverage=float(pf.sum()), target=target,
+                            pred=float(torch.sigmoid(c.detach())))
+                block.append(slot)
+                slots.append(slot)
+            blocks.append(block)
+
+    def chain(block, key):
+        return list(itertools.accumulate((s[key] for s in block), lambda a, b: a * b))
+
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    m = {
+        "accept_len": mean([1 + sum(chain(b, "acceptance")) for b in blocks]),
+        "greedy_accept_len": mean([1 + sum(chain(b, "greedy")) for b in blocks]),
+        "restricted_accept_len": mean([1 + sum(chain(b, "restricted")) for b in blocks]),
+        "confidence_target_accept_len": mean([1 + sum(chain(b, "target")) for b in blocks]),
+        "confidence_cumprod_bias": sum(sum(a - b for a, b in zip(chain(x, "pred"), chain(x, "target")))
+                                       for x in blocks) / len(blocks),
+        "accept_rate": mean([s["acceptance"] for s in slots]),
+        "greedy_accept_rate": mean([s["greedy"] for s in slots]),
+        "restricted_accept_rate": mean([s["restricted"] for s in slots]),
+        "draft_vocab_coverage": mean([s["coverage"] for s in slots]),
+        "ce": mean([s["ce"] for s in slots]), "tv": mean([s["tv"] for s in slots]),
+        "kl": mean([s["kl"] for s in slots]), "confidence_bce": mean([s["bce"] for s in slots]),
+        "confidence_abs_error": mean([abs(s["pred"] - s["target"]) for s in slots]),
+        "confidence_pred_mean": mean([s["pred"] for s in slots]),
+        "confidence_target_mean": mean([s["target"] for s in slots]),
+    }
+    for k in range(B):
+        at_k = [s for s in slots if s["k"] == k]
+        reach = [b for b in blocks if len(b) > k]
+        m[f"pos_{k}"] = sum(chain(b, "acceptance")[k] for b in reach) / len(blocks)
+        m[f"accept_rate_{k}"] = mean([s["acceptance"] for s in at_k])
+        m[f"greedy_accept_rate_{k}"] = mean([s["greedy"] for s in at_k])
+        m[f"confidence_pred_mean_{k}"] = mean([s["pred"] for s in at_k])
+        m[f"confidence_target_mean_{k}"] = mean([s["target"] for s in at_k])
+        m[f"confidence_cumprod_bias_{k}"] = mean([chain(b, "pred")[k] - chain(b, "target")[k] for b in reach])
+    return total / len(slots), m, len(slots)
 
 
-@pytest.mark.parametrize("chunk_elements", [1 << 26, 150])  # one chunk, and ~1 slot per chunk
-def test_loss_and_metrics_equal_reference_formulas(gemma4_verifier, chunk_elements):
-    drafter = tiny_drafter(gemma4_verifier).double()
-    cfg = ObjectiveConfig(block_size=drafter.block_size, chunk_elements=chunk_elements)
-    ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter)
-    aux, last = aux.double(), last.double()
+def agreeing_drafter(verifier, ids, last, anchors):
+    """A float64 drafter whose draft vocabulary holds the verifier's argmax at about half of the supervised
+    positions, and whose logits (keyed by the previous token) are pushed toward that argmax at some positions
+    and toward the argmax *within the draft vocabulary* at others, so greedy agreement, disagreement, and
+    agreement with a restricted argmax that is not the verifier's all occur."""
+    drafter = tiny_drafter(verifier).double()
+    teacher = teacher_of(verifier)
+    normed = teacher.normed(last)
+    full_argmax = teacher.head_logits(normed, full_head(verifier)).argmax(-1)  # [R, T] verifier ids
+    sup = reference_supervision(MASK, DOCS, anchors, drafter.block_size)
+    r, j, k = sup.nonzero(as_tuple=True)
+    pos = anchors[r, j] + k
+    wanted = sorted(set(full_argmax[r, pos].tolist()))[::2]
+    rest = [i for i in torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)).tolist() if i not in wanted]
+    drafter.set_draft_vocab(sorted(wanted + rest[: 100 - len(wanted)]))
+    restricted_argmax = teacher.head_logits(normed, drafter.lm_head.weight).argmax(-1)  # [R, T] draft ids
+    full_in_draft = drafter.verifier_to_draft_ids(full_argmax)
+    first = {}
+    for rr, pp in zip(r.tolist(), pos.tolist()):
+        first.setdefault(int(ids[rr, pp]), (int(full_in_draft[rr, pp]), int(restricted_argmax[rr, pp])))
+    boost = {}
+    for i, (prev, (full_d, restricted_d)) in enumerate(sorted(first.items())):
+        if i % 3 == 0 and full_d >= 0:
+            boost[prev] = full_d  # agrees with the verifier's argmax
+        elif i % 3 == 1 and full_d < 0:
+            boost[prev] = restricted_d  # agrees only with the argmax over the draft vocabulary
+    plain = drafter.compute_logits
+
+    def compute_logits(hidden, previous):
+        logits = plain(hidden, previous)
+        bonus = torch.zeros_like(logits)
+        for prev, d in boost.items():
+            bonus[..., d] += 40.0 * (previous == prev).to(logits.dtype)
+        return logits + bonus
+
+    drafter.compute_logits = compute_logits
+    return drafter
+
+
+@pytest.mark.parametrize("teacher_vocab, confidence_target, chunk_elements", [
+    ("draft", "greedy", 1 << 26), ("draft", "greedy_t0", 150), ("draft", "sampled", 1 << 26),
+    ("full", "greedy", 150), ("full", "greedy_t0", 1 << 26), ("full", "sampled", 333),
+])  # one chunk, and ~1 slot per chunk (with several vocabulary chunks in the full-vocabulary pass)
+def test_loss_gradient_and_metrics_equal_a_full_vocabulary_reference(gemma4_verifier, teacher_vocab,
+                                                                     confidence_target, chunk_elements):
     verifier = gemma4_verifier.double()
     try:
-        teacher = Teacher(verifier_decoder(verifier).norm, 30.0)
+        drafter0 = tiny_drafter(gemma4_verifier)
+        ids, positions, aux, last, anchors = batch(verifier, drafter0)
+        aux, last = aux.double(), last.double()
+        drafter = agreeing_drafter(verifier, ids, last, anchors).train()
+        cfg = ObjectiveConfig(block_size=drafter.block_size, chunk_elements=chunk_elements,
+                              loss_weights={"ce": 0.1, "tv": 0.6, "kl": 0.3}, teacher_vocab=teacher_vocab,
+                              confidence_target=confidence_target)
         out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
-        loss, stats = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last, teacher, cfg)
-        ref_loss, ref_len, ref_greedy, ref_pos, S = reference_loss(drafter, verifier, ids, positions, aux, last,
-                                                                     anchors, cfg)
+        loss, stats = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last, teacher_of(verifier), cfg)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+        drafter.zero_grad()
+        ref_loss, ref, S = reference_loss(drafter, verifier, ids, positions, aux, last, anchors, cfg)
+        ref_loss.backward()
     finally:
         gemma4_verifier.float()
     metrics = reduce_stats(stats, cfg.block_size)
     assert metrics["supervised_slots"] == S > 10
-    assert loss.item() == pytest.approx(float(ref_loss.detach()), rel=1e-6)
-    assert metrics["accept_len"] == pytest.approx(ref_len, rel=1e-6)
-    assert metrics["greedy_accept_len"] == pytest.approx(ref_greedy, rel=1e-6)
-    for k in range(cfg.block_size):
-        assert metrics[f"pos_{k}"] == pytest.approx(ref_pos[k], rel=1e-6, abs=1e-9)
-    assert 1.0 <= metrics["accept_len"] <= 1 + cfg.block_size
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-9)
+    for name, value in ref.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
+    # every case the greedy metrics distinguish occurs: agreement, disagreement, argmax outside the vocabulary
+    assert 0 < metrics["greedy_accept_rate"] < 1 and metrics["draft_vocab_coverage"] < 0.9
+    assert metrics["accept_len"] <= metrics["restricted_accept_len"]
+    assert greedy_agreement_with_restricted_argmax(drafter, teacher_of(verifier), out, last, anchors) > \
+        metrics["greedy_accept_rate"] * S  # some drafts match the draft-vocabulary argmax but not the verifier's
+    for name, param in drafter.named_parameters():
+        if param.requires_grad:
+            assert torch.allclose(grads[name], param.grad, rtol=1e-7, atol=1e-12), name
+
+
+@torch.no_grad()
+def greedy_agreement_with_restricted_argmax(drafter, teacher, out, last, anchors) -> int:
+    sup = block_supervision(MASK, DOCS, anchors, drafter.block_size)
+    r, j, k = sup.nonzero(as_tuple=True)
+    logits = drafter.compute_logits(out.last_hidden_state[r, j, k], out.previous_token_ids[r, j, k])
+    restricted = teacher.head_logits(teacher.normed(last[r, anchors[r, j] + k]), drafter.lm_head.weight)
+    return int((logits.argmax(-1) == restricted.argmax(-1)).sum())
 
 
 def test_chunked_gradients_equal_unchunked(gemma4_verifier):
     drafter = tiny_drafter(gemma4_verifier).train()
     ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter, seed=1)
-    teacher = Teacher(verifier_decoder(gemma4_verifier).norm, 30.0)
+    teacher = teacher_of(gemma4_verifier)
     grads = []
     for chunk in (1 << 26, 333):
         drafter.zero_grad()
@@ -187,13 +299,43 @@ def test_chunked_gradients_equal_unchunked(gemma4_verifier):
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
 
 
+def test_a_full_vocabulary_drafter_needs_no_second_head(gemma4_verifier):
+    """Without a reduced draft vocabulary the draft rows are the whole head: coverage is 1 and the full and
+    restricted metrics coincide; the teacher's own head is then optional."""
+    drafter = tiny_drafter(gemma4_verifier, draft_vocab_size=None)
+    ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter, seed=4)
+    out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+    cfg = ObjectiveConfig(block_size=drafter.block_size)
+    with torch.no_grad():
+        _, stats = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last,
+                               Teacher(verifier_decoder(gemma4_verifier).norm, 30.0), cfg)
+        _, with_head = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last, teacher_of(gemma4_verifier), cfg)
+    metrics = reduce_stats(stats, cfg.block_size)
+    assert metrics["draft_vocab_coverage"] == pytest.approx(1.0)
+    assert metrics["accept_len"] == pytest.approx(metrics["restricted_accept_len"], rel=1e-6)
+    assert torch.allclose(stats, with_head)
+    reduced = tiny_drafter(gemma4_verifier)
+    out = reduced(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+    with pytest.raises(ValueError, match="the teacher has no full-vocabulary output head"):
+        dspark_loss(reduced, out, ids, MASK, DOCS, anchors, last, Teacher(verifier_decoder(gemma4_verifier).norm,
+                                                                          30.0), cfg)
+
+
+def test_the_in_process_teacher_shares_the_verifiers_full_head(gemma4_verifier):
+    from trainer.hidden_states import InProcessVerifier
+
+    teacher = InProcessVerifier(gemma4_verifier, [2, 3]).teacher()
+    head = gemma4_verifier.get_output_embeddings().weight
+    assert teacher.output_weight.data_ptr() == head.data_ptr() and teacher.output_weight.shape == head.shape
+
+
 def test_ce_target_data_uses_the_next_token_when_in_the_draft_vocabulary(gemma4_verifier):
     drafter = tiny_drafter(gemma4_verifier)
     ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter, seed=2)
     draft_ids = drafter.draft_vocab_ids
     ids = draft_ids[ids % draft_ids.numel()]  # every token is in the draft vocabulary
     aux, last = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
-    teacher = Teacher(verifier_decoder(gemma4_verifier).norm, 30.0)
+    teacher = teacher_of(gemma4_verifier)
     out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions)
     cfg = ObjectiveConfig(block_size=drafter.block_size, ce_target="data", loss_weights={"ce": 1.0},
                           confidence_weight=0.0)
@@ -212,6 +354,10 @@ def test_bad_loss_configuration():
         ObjectiveConfig(loss_weights={"mse": 1.0})
     with pytest.raises(ValueError, match="ce_target must be"):
         ObjectiveConfig(ce_target="gold")
+    with pytest.raises(ValueError, match=r"teacher_vocab must be one of \['draft', 'full'\]"):
+        ObjectiveConfig(teacher_vocab="verifier")
+    with pytest.raises(ValueError, match=r"confidence_target must be one of \['greedy', 'greedy_t0', 'sampled'\]"):
+        ObjectiveConfig(confidence_target="tv")
 
 
 PEAK_SCRIPT = r"""
@@ -234,7 +380,8 @@ aux = torch.randn(1, T, drafter.fc.in_features); last = torch.randn(1, T, 16)
 anchors = torch.arange(N).unsqueeze(0)
 out = drafter(ids, aux, anchors, document_ids=docs, return_logits=False)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-loss, stats = dspark_loss(drafter, out, ids, mask, docs, anchors, last, Teacher(verifier_decoder(verifier).norm, None),
+loss, stats = dspark_loss(drafter, out, ids, mask, docs, anchors, last,
+                          Teacher(verifier_decoder(verifier).norm, None, verifier.get_output_embeddings().weight),
                           ObjectiveConfig(block_size=8, chunk_elements=1 << 24))
 loss.backward()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -262,7 +409,7 @@ def test_a_batch_without_supervised_slots_gives_a_zero_loss_with_gradients(gemma
     anchors = torch.full((2, 1), -1)
     out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
     loss, stats = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last,
-                              Teacher(verifier_decoder(gemma4_verifier).norm, 30.0), ObjectiveConfig(block_size=4))
+                              teacher_of(gemma4_verifier), ObjectiveConfig(block_size=4))
     loss.backward()
     assert loss.item() == 0.0 and reduce_stats(stats, 4)["supervised_slots"] == 0
     assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters() if p.requires_grad)

@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 import push_to_hub as ph
 from trainer import staging
-from trainer.checkpoints import COMPLETE_MARKER, resolve_checkpoint
+from trainer.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, resolve_checkpoint
 from trainer.config import RunConfig
-from trainer.plots import PLOT_FILE
+from trainer.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
 from trainer.results import read_results
 from trainer.run import train
 from trainer.servable import check_remote_code_load, check_serving_config, contract_tensors
@@ -36,6 +36,7 @@ TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_val
         "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--logging_steps", "5",
         "--learning_rate", "3e-3", "--max_anchors", "16", "--save_total_limit", "5"]
 BASE_FILES = {"README.md", "config.json", "configuration_dspark.py", "modeling_dspark.py", "model.safetensors"}
+PLOTS = {PLOT_FILE, CALIBRATION_PLOT_FILE}  # the run calibrates its best checkpoint, so both plots are staged
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -189,7 +190,7 @@ def test_checkpoint_resolution(run_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------ staging
 def test_staged_folder_is_exactly_the_contract(staged, run_dir):
     folder = staged.folder
-    assert set(os.listdir(folder)) == BASE_FILES | {PLOT_FILE}
+    assert set(os.listdir(folder)) == BASE_FILES | PLOTS
     assert staged.checkpoint.path == (run_dir / "checkpoint-best").resolve()
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and "model_type" not in config
@@ -225,7 +226,9 @@ def test_stage_from_any_checkpoint_the_trainer_writes(run_dir, tmp_path, spec):
     target = {"output_dir": run_dir, "checkpoint-best": run_dir / "checkpoint-best",
               "checkpoint-2": f"{run_dir}:2", "final": f"{run_dir}:final"}[spec]
     staged = stage(resolve_checkpoint(target), tmp_path / "repo", repo_id=REPO, remote_code_check=False)
-    assert set(staged.files) == BASE_FILES
+    calibrated = (staged.checkpoint.path / CALIBRATION_FILE).exists()
+    assert calibrated or spec == "checkpoint-2"  # the best checkpoint and the final model are calibrated
+    assert set(staged.files) == BASE_FILES | ({CALIBRATION_PLOT_FILE} if calibrated else set())
     step = 2 if spec == "checkpoint-2" else staged.checkpoint.step
     assert staged.commit_message == f"Upload DSpark drafter for {VERIFIER_ID} (step {step})"
 
@@ -246,6 +249,8 @@ def test_stage_from_any_checkpoint_the_trainer_writes(run_dir, tmp_path, spec):
     (lambda c: c["transformer_layer_config"].update(hidden_act="gelu"), "hidden_act is 'gelu', not 'silu'"),
     (lambda c: c["transformer_layer_config"]["rope_parameters"].pop("rope_theta"), "has no rope_theta"),
     (lambda c: c["transformer_layer_config"].pop("vocab_size"), "vocab_size is missing"),
+    (lambda c: c.update(sliding_window_non_causal=True), r"sliding_window_non_causal is true, but vLLM ignores it "
+     r"and serves the sliding layers causal .*retrain it with sliding_window_non_causal: false"),
 ])
 def test_vllm_structure_checks_refuse_a_tampered_config(staged, mutate, message):
     config = json.loads((staged.folder / "config.json").read_text())
@@ -338,6 +343,41 @@ def test_card_without_results_says_so(run_dir, tmp_path):
     assert "Weights from the run's final model" in card.text
 
 
+def test_card_reports_the_confidence_calibration(staged, run_dir, tmp_path):
+    record = json.loads((staged.checkpoint.path / CALIBRATION_FILE).read_text())
+    text = ModelCard.load(staged.folder / "README.md").text
+    section = text[text.index("### Confidence calibration"):text.index("## Limitations")]
+    assert f"(a = {record['a']:.4f}, c = {record['c']:+.4f})" in section
+    assert f"{record['ece_before']:.4f} before, {record['ece_after']:.4f} after" in section
+    assert f"fitted on {record['n_slots']:,} validation positions" in section
+    assert "greedy drafts checked by a sampling verifier" in section  # the default confidence target
+    assert ("- Teacher: the verifier's distribution renormalised over the draft vocabulary; confidence head trained "
+            "for greedy drafts checked by a sampling verifier") in text  # from the run config
+    fmt = lambda xs: " | ".join("–" if x is None else f"{x:+.3f}" for x in xs)  # noqa: E731
+    assert f"| cumulative-product bias before | {fmt(record['cumprod_bias_before'])} |" in section
+    assert f"| cumulative-product bias after | {fmt(record['cumprod_bias_after'])} |" in section
+    assert f"![Confidence reliability per position]({CALIBRATION_PLOT_FILE})" in section
+    png = (staged.folder / CALIBRATION_PLOT_FILE).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 1000  # two panels wide
+
+    # Without the record: the card says so, no reliability plot, and every other staged byte is the same.
+    ckpt = tmp_path / staged.checkpoint.path.name
+    shutil.copytree(staged.checkpoint.path, ckpt, ignore=shutil.ignore_patterns("optimizer.pt"))
+    (ckpt / CALIBRATION_FILE).unlink()
+    with_record = stage(resolve_checkpoint(staged.checkpoint.path), tmp_path / "a", repo_id=REPO,
+                        remote_code_check=False)
+    without = stage(resolve_checkpoint(ckpt), tmp_path / "b", repo_id=REPO, remote_code_check=False)
+    assert set(without.files) == BASE_FILES and set(with_record.files) == BASE_FILES | {CALIBRATION_PLOT_FILE}
+    for name in BASE_FILES - {"README.md"}:
+        assert (without.folder / name).read_bytes() == (with_record.folder / name).read_bytes(), name
+    card = ModelCard.load(without.folder / "README.md").text
+    assert f"### Confidence calibration\n\nNot recorded: the checkpoint has no `{CALIBRATION_FILE}`" in card
+    assert CALIBRATION_PLOT_FILE not in card
+    (ckpt / CALIBRATION_FILE).write_text(json.dumps({"a": 1.0}))
+    with pytest.raises(ph.PushError, match=rf"{CALIBRATION_FILE} lacks valid c, n_slots, .*; restore it from the run"):
+        stage(resolve_checkpoint(ckpt), tmp_path / "c", repo_id=REPO, remote_code_check=False)
+
+
 def test_training_section_and_datasets_follow_the_run_config(run_dir, tmp_path):
     import yaml
 
@@ -406,7 +446,7 @@ def test_upload_makes_exactly_one_commit_with_the_staged_files(run_dir, results_
                                         f"RedHatAI/speculator_benchmarks)")
     assert "Run config sha256: " in upload["commit_description"]
     assert upload["delete_patterns"] == DELETE_PATTERNS
-    assert set(api.uploaded) == BASE_FILES | {PLOT_FILE}
+    assert set(api.uploaded) == BASE_FILES | PLOTS
     assert json.loads(api.uploaded["config.json"])["speculators_config"]["verifier"]["name_or_path"] == VERIFIER_ID
     assert online == [Path(upload["folder_path"])]  # validated (remote-code load) before the upload
     assert not Path(upload["folder_path"]).exists()  # the staged temp folder is gone
@@ -464,7 +504,7 @@ def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_file
                      api=NoNetwork())
         out, err = capsys.readouterr()
         assert rc == 0, err
-    assert set(os.listdir(out_dir)) == BASE_FILES | {PLOT_FILE}
+    assert set(os.listdir(out_dir)) == BASE_FILES | PLOTS
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no OUT_DIR.tmp-* or .old-* left behind
     assert len(loads) == 2 and loads[0].name.startswith("export.tmp-")  # validated before the atomic rename
     assert "model.safetensors" in out and f"commit to {REPO} (revision main):" in out

@@ -9,10 +9,20 @@ records how many tokens it committed. Per subset this gives
 * `pos`: `pos[k]` = share of steps that accepted at least k+1 drafts (vLLM's per-position acceptance);
 * `steps`, and tokens/s with and without the drafter at concurrency 1 when `--throughput` is on;
 
-plus the weighted (by steps) and unweighted means over subsets. The JSON format (`dspark-acceptance/1`) and
-its reduction (the `dspark_acceptance` evaluate metric) live in `trainer/results.py`, shared by every backend
-(this in-process one; a vLLM server backend writes the same file); `push_to_hub.py` renders it into the
-model card.
+plus the weighted (by steps) and unweighted means over subsets.
+
+At temperature 0 every prompt also gets a *fidelity check* (on by default, `--no-fidelity-check` turns it off):
+the drafter's training `forward` is run teacher-forced on the generated sequence (one plain verifier forward
+for its aux states, `verifier_hidden_states`), with one block anchored at each actual verification step, and
+the greedy acceptance it predicts per step must equal the measured one (see `teacher_forced_acceptance`). A
+layout difference between training and `draft()` (anchor, positions, mask, Markov chain, vocabulary mapping)
+shows up as differing steps wherever it changes a greedy draft, reported per subset (`teacher_forced_acceptance_length`, `fidelity_steps`,
+`fidelity_steps_differing`) and warned about (`FidelityWarning`). At T > 0 acceptance is random, so the check
+is skipped and the fields are null.
+
+The JSON format (`dspark-acceptance/1`) and its reduction (the `dspark_acceptance` evaluate metric) live in
+`trainer/results.py`, shared by every backend (this in-process one; a vLLM server backend writes the same
+file); `push_to_hub.py` renders it into the model card.
 
     python -m trainer.acceptance --drafter out/smollm2-135m-dspark --prompts data/demo/heldout \
         --temperature 0 --max-new-tokens 128 --out out/eval-greedy.json
@@ -23,6 +33,8 @@ import json
 import os
 import sys
 import time
+import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +53,8 @@ from trainer.results import (  # noqa: E402
 )
 from trainer.verifier import generation_kwargs, resolve_sampling  # noqa: E402
 
-__all__ = ["AcceptanceStats", "evaluate_in_process", "format_table", "load_prompt_sets", "main", "write_results"]
+__all__ = ["AcceptanceStats", "FidelityCheck", "FidelityWarning", "evaluate_in_process", "format_table",
+           "load_prompt_sets", "main", "step_anchors", "teacher_forced_acceptance", "write_results"]
 
 
 # ------------------------------------------------------------------------------------------ prompt sets
@@ -110,6 +123,107 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+# ------------------------------------------------------------------------------------------ fidelity check
+class FidelityWarning(UserWarning):
+    """The drafter's training forward predicts another greedy acceptance than `draft()` measured."""
+
+
+def step_anchors(prompt_length: int, committed_per_step: list[int]) -> list[int]:
+    """Sequence index of each verification step's anchor (the last committed token before the step).
+
+    The verifier's prefill produces the first generated token, at index `prompt_length`: the first step drafts
+    after it. Each step then commits `committed_per_step[i]` tokens (accepted drafts + the corrected or bonus
+    token), and the last of them anchors the next step. So anchor i = `prompt_length + sum(committed[:i])`."""
+    anchors, anchor = [], prompt_length
+    for committed in committed_per_step:
+        anchors.append(anchor)
+        anchor += committed
+    return anchors
+
+
+@dataclass
+class FidelityCheck:
+    """One prompt's fidelity check: per verification step, the anchor, the measured committed count and the
+    teacher-forced greedy acceptance (None where the sequence does not determine it: the block runs past the
+    end of the sequence while every slot that fits still matches)."""
+
+    anchors: list[int]
+    measured: list[int]
+    teacher_forced: list[int | None]
+
+    @property
+    def compared(self) -> list[int]:
+        """Indices of the steps whose teacher-forced value is determined (and so compared)."""
+        return [i for i, t in enumerate(self.teacher_forced) if t is not None]
+
+    @property
+    def differing(self) -> list[int]:
+        """Indices of the compared steps whose teacher-forced value differs from the measured one."""
+        return [i for i in self.compared if self.teacher_forced[i] != self.measured[i]]
+
+    @property
+    def skipped(self) -> int:
+        return len(self.teacher_forced) - len(self.compared)
+
+
+@torch.no_grad()
+def teacher_forced_acceptance(drafter, verifier, sequences: torch.Tensor, prompt_length: int,
+                              committed_per_step: list[int], anchors: list[int] | None = None,
+                              chunk_slots: int = 512) -> FidelityCheck:
+    """The greedy acceptance the drafter's *training* forward predicts for each step of a T=0 generation.
+
+    `sequences` `[1, L]` (prompt + generated tokens) and `committed_per_step` are `speculative_generate`'s
+    outputs. The whole sequence is one document; its aux states come from one plain verifier forward
+    (`verifier_hidden_states`, as training reads them) and the drafter's `forward` (in the drafter's own
+    dtype, fp32 as the CLI loads it) places one block at each step's anchor (`step_anchors`, or `anchors`).
+    For the block at anchor p, slot k predicts `x[p+k+1]`; the step's teacher-forced acceptance is the number
+    of leading slots whose argmax (mapped to verifier ids) equals `x[p+k+1]`, at most B, plus 1 for the
+    corrected or bonus token. At T=0 that is exactly what `draft()` + verification committed (the Markov
+    chain conditions slot k on `x[p+k]` in training and on the previous draft when drafting, the same token
+    while the drafts match), up to numerical argmax ties. A step is compared only where the sequence
+    determines the value (a mismatch inside the sequence, or the whole block inside it); the last step,
+    cut by `max_new_tokens` or the end of sequence, may not be.
+    """
+    from modeling_dspark import verifier_hidden_states
+
+    anchors = step_anchors(prompt_length, committed_per_step) if anchors is None else list(anchors)
+    measured = list(committed_per_step)
+    if len(anchors) != len(measured):
+        raise ValueError(f"{len(anchors)} anchors for {len(measured)} verification steps; pass one per step.")
+    if not anchors:
+        return FidelityCheck(anchors=[], measured=[], teacher_forced=[])
+    sequences = sequences.reshape(1, -1)
+    length = sequences.shape[1]
+    if min(anchors) < 0 or max(anchors) >= length:
+        raise ValueError(f"step anchors {min(anchors)}..{max(anchors)} fall outside the sequence of {length} "
+                         f"tokens; pass the prompt length and committed counts of this very generation.")
+    device = next(drafter.parameters()).device
+    verifier_device = next(verifier.parameters()).device
+    aux, _ = verifier_hidden_states(verifier, drafter.config.aux_hidden_state_layer_ids,
+                                    sequences.to(verifier_device))
+    input_ids = sequences.to(device)
+    anchor_positions = torch.tensor([anchors], dtype=torch.long, device=device)
+    out = drafter(input_ids=input_ids, aux_hidden_states=aux.to(device), anchor_positions=anchor_positions,
+                  return_logits=False)
+    hidden, previous = out.last_hidden_state[0], out.previous_token_ids[0]  # [N, B, H], [N, B]
+    n, block = previous.shape
+    per_chunk = max(1, chunk_slots // block)  # bounds the [anchors, B, Vd] logits
+    predicted = torch.cat([
+        drafter.draft_to_verifier_ids(drafter.compute_logits(hidden[i: i + per_chunk], previous[i: i + per_chunk])
+                                      .argmax(-1))
+        for i in range(0, n, per_chunk)
+    ])  # [N, B] verifier ids
+    targets_at = anchor_positions[0].unsqueeze(-1) + torch.arange(1, block + 1, device=device)  # x[p+k+1]
+    inside = targets_at < length
+    targets = input_ids[0, targets_at.clamp(max=length - 1)]
+    match = (predicted == targets) & inside
+    leading = match.long().cumprod(-1).sum(-1)  # leading matching slots, <= B
+    available = inside.sum(-1)
+    determined = (leading < available) | (available == block)
+    teacher_forced = [int(a) + 1 if d else None for a, d in zip(leading.tolist(), determined.tolist())]
+    return FidelityCheck(anchors=anchors, measured=measured, teacher_forced=teacher_forced)
+
+
 # ------------------------------------------------------------------------------------------ in-process backend
 def evaluate_in_process(
     drafter,
@@ -124,11 +238,17 @@ def evaluate_in_process(
     throughput_prompts: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    fidelity_check: bool = True,
 ) -> dict:
-    """Speculate on every prompt and return a `dspark-acceptance/1` results dict."""
+    """Speculate on every prompt and return a `dspark-acceptance/1` results dict.
+
+    With `fidelity_check` (the default) and temperature 0, each prompt's generation is also checked against the
+    drafter's training forward (`teacher_forced_acceptance`); a subset with differing steps is warned about
+    (`FidelityWarning`). The check runs after the timed generation, so it never enters tokens/s."""
     from tqdm.auto import tqdm
 
     settings = resolve_sampling(verifier, temperature, top_k, top_p)
+    check = fidelity_check and settings["temperature"] <= 0  # at T > 0 acceptance is random: nothing to match
     device = next(verifier.parameters()).device
     g = torch.Generator().manual_seed(seed)
     B = drafter.config.block_size
@@ -146,6 +266,10 @@ def evaluate_in_process(
                                                top_p=settings.get("top_p"), generator=g)
             elapsed = time.perf_counter() - start
             stats[name].add(out.committed_per_step, out.sequences.shape[1] - ids.shape[1], elapsed)
+            if check:
+                result = teacher_forced_acceptance(drafter, verifier, out.sequences, ids.shape[1],
+                                                   out.committed_per_step)
+                stats[name].add_fidelity([result.teacher_forced[i] for i in result.compared], len(result.differing))
             if throughput and (throughput_prompts is None or index < throughput_prompts):
                 stats[name].paired_tokens += out.sequences.shape[1] - ids.shape[1]
                 stats[name].paired_seconds += elapsed
@@ -159,6 +283,14 @@ def evaluate_in_process(
             done = [c for s in stats.values() for c in s.committed]
             bar.set_postfix(acceptance_length=f"{sum(done) / max(len(done), 1):.2f}")
     bar.close()
+    for name, s in stats.items():
+        if check and s.fidelity_steps_differing:
+            warnings.warn(
+                f"fidelity check failed on subset {name}: on {s.fidelity_steps_differing} of "
+                f"{len(s.teacher_forced)} compared verification steps the drafter's training forward, teacher-forced "
+                f"on the generated sequence, predicts another greedy acceptance than draft() measured; the training "
+                f"and serving layouts disagree (or the argmax is numerically tied there).",
+                FidelityWarning, stacklevel=2)
     return build_results(stats, backend="transformers", block_size=B, sampling=settings,
                          max_new_tokens=max_new_tokens, concurrency=1)
 
@@ -181,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="time the verifier alone on the first N prompts of each subset only (speedup is computed "
                              "on those same prompts)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-fidelity-check", dest="fidelity_check", action="store_false",
+                        help="at temperature 0, skip checking the drafter's training forward (teacher-forced on the "
+                             "generated sequences) against the measured acceptance")
     parser.add_argument("--out", required=True, help="results JSON (a Markdown table is written beside it)")
     args = parser.parse_args(argv)
 
@@ -217,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = evaluate_in_process(drafter, verifier, tokenizer, prompt_sets, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   throughput=args.throughput, throughput_prompts=args.throughput_prompts,
-                                  seed=args.seed)
+                                  seed=args.seed, fidelity_check=args.fidelity_check)
     results = with_provenance(results, args.drafter, drafter.config.verifier_name_or_path or verifier_name, args.prompts)
     print(write_results(results, args.out))
     return results

@@ -7,9 +7,11 @@
                                     was interrupted, and the directory is moved aside as incomplete-checkpoint-N
         dspark_run_config.yaml      the run configuration (reproduce the run, describe it in a model card)
         dspark_data_stats.json      what the training data held
+        dspark_calibration.json     the best checkpoint only: the confidence calibration folded into its weights
         adapter/                    LoRA runs only: the adapter to resume from (the weights are merged)
       checkpoint-best -> checkpoint-N   symlink to the checkpoint with the highest validation accept_len
-      config.json, model.safetensors, ...   the final drafter (written when the run finishes)
+      config.json, model.safetensors, ...   the final drafter (written when the run finishes; with
+                                    dspark_calibration.json when its confidence head was calibrated)
       dspark_train_summary.json     the run's closing summary, written last: the run is finished
       batches-rank<r>.jsonl         with train.record_batches: the rows each rank trained on
 
@@ -34,6 +36,7 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: the Tra
 COMPLETE_MARKER = "dspark_checkpoint.json"
 RUN_CONFIG_FILE = "dspark_run_config.yaml"
 DATA_STATS_FILE = "dspark_data_stats.json"
+CALIBRATION_FILE = "dspark_calibration.json"  # trainer/calibration.py writes it, trainer/model_card.py reads it
 SUMMARY_FILE = "dspark_train_summary.json"
 ADAPTER_DIR = "adapter"
 BEST_LINK = f"{CHECKPOINT_PREFIX}-best"
@@ -43,7 +46,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 SELECTORS = ("best", "latest", "final")
 # What a run writes at the top of its output_dir (the final drafter and the run's own files).
 _RUN_FILES = {"config.json", WEIGHTS_FILE, WEIGHTS_INDEX_FILE, *REMOTE_CODE_FILES, RUN_CONFIG_FILE, DATA_STATS_FILE,
-              SUMMARY_FILE, TRAINING_ARGS_FILE, BEST_LINK, ADAPTER_DIR}
+              CALIBRATION_FILE, SUMMARY_FILE, TRAINING_ARGS_FILE, BEST_LINK, ADAPTER_DIR}
 _CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 _SELECTOR = re.compile(r"^(best|latest|final|\d+)$")
 

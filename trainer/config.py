@@ -23,6 +23,7 @@ import yaml
 from configuration_dspark import ARCHITECTURE_KEYS
 from trainer.checkpoints import RUN_CONFIG_FILE
 from trainer.errors import UsageError
+from trainer.objective import DEFAULT_CONFIDENCE_TARGET, DEFAULT_TEACHER_VOCAB
 
 SECTIONS = ("model", "data", "train")
 
@@ -114,6 +115,14 @@ class TrainArgs:
     decay_gamma: float = 4.0
     ce_target: str = "teacher"
     loss_chunk_elements: int = 1 << 26
+    # What CE/TV/KL compare the draft with: draft = the verifier's distribution renormalised over the draft
+    # vocabulary; full = its full-vocabulary probabilities of the draft tokens (the mass outside stays lost).
+    teacher_vocab: str = DEFAULT_TEACHER_VOCAB
+    # The acceptance the confidence head predicts: greedy = p(argmax q) (vLLM's default greedy drafts, verifier
+    # sampling), greedy_t0 = 1[argmax q == argmax p] (greedy verifier), sampled = 1 - TV (probabilistic drafting).
+    confidence_target: str = DEFAULT_CONFIDENCE_TARGET
+    calibrate_confidence: bool = True  # after training, fit sigmoid(a*z + c) on validation and fold it into the head
+    calibration_max_slots: int = 200_000  # validation slots the calibration collects at most (whole blocks)
     eval_steps: int = 500
     save_steps: int | None = None  # None: eval_steps
     logging_steps: int = 10
@@ -266,6 +275,10 @@ class RunConfig:
             raise UsageError("set train.num_train_epochs > 0 or train.max_steps > 0.")
         if m.lora_rank and not m.init_from:
             raise UsageError("LoRA adapts an existing drafter; set model.init_from to it (or lora_rank: 0).")
+        if m.sliding_window_non_causal:
+            raise UsageError("model.sliding_window_non_causal is true, but vLLM ignores it and serves the sliding "
+                             "layers causal inside the block, so the drafter would not serve as trained; set it "
+                             "to false.")
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
@@ -281,7 +294,8 @@ class RunConfig:
         t = self.train
         return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
                                loss_weights=dict(t.loss_weights), confidence_weight=t.confidence_weight,
-                               decay_gamma=t.decay_gamma, ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements)
+                               decay_gamma=t.decay_gamma, ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements,
+                               teacher_vocab=t.teacher_vocab, confidence_target=t.confidence_target)
 
     # -------------------------------------------------------------------------------- saving
     def to_dict(self) -> dict:
@@ -332,6 +346,7 @@ def _RANGES(c: "RunConfig"):
         ("train.confidence_weight", t.confidence_weight, 0, None, closed),
         ("train.decay_gamma", t.decay_gamma, 0, None, positive),
         ("train.loss_chunk_elements", t.loss_chunk_elements, 1, None, closed),
+        ("train.calibration_max_slots", t.calibration_max_slots, 1, None, closed),
         ("train.eval_steps", t.eval_steps, 1, None, closed),
         ("train.save_steps", t.save_steps, 1, None, closed),
         ("train.logging_steps", t.logging_steps, 1, None, closed),

@@ -7,21 +7,27 @@ One training step (`compute_loss`):
     out     = model(input_ids, states.aux, anchors, ...) modeling_dspark.py        (drafter forward)
     loss    = dspark_loss(drafter, out, ..., teacher)    trainer/objective.py      (chunked CE/TV + confidence)
 
-Evaluation returns the teacher-forced acceptance metrics (`eval_accept_len`, `eval_accept_rate`,
-`eval_pos_k`, calibration), reduced as sums across batches and processes; the best checkpoint is the one
-with the highest `eval_accept_len`. Every checkpoint directory is a servable drafter (trainer/servable.py)
-plus the Trainer's state, the run config and the data statistics; a completion marker, written last, says
-it is complete (the layout and its file names: trainer/checkpoints.py). The verifier is never saved.
+Evaluation returns the teacher-forced acceptance metrics against the verifier's full vocabulary
+(`eval_accept_len`, `eval_accept_rate`, `eval_pos_k`, `eval_draft_vocab_coverage`, the confidence head's
+calibration), reduced as sums across batches and processes; the best checkpoint is the one with the highest
+`eval_accept_len`. `confidence_samples` collects the confidence logits and targets of the validation split for
+the post-training calibration (trainer/calibration.py); a checkpoint whose head carries a folded calibration
+is unfolded when the Trainer loads it (resume, best model at the end), so training always continues from the
+trained weights. Every checkpoint directory is a servable drafter (trainer/servable.py) plus the Trainer's
+state, the run config and the data statistics; a completion marker, written last, says it is complete (the
+layout and its file names: trainer/checkpoints.py). The verifier is never saved.
 """
 
 import json
 import os
 
 import torch
+from torch.utils.data import DataLoader, Subset
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from modeling_dspark import DSparkDraftModel
+from trainer.calibration import unfold_head
 from trainer.checkpoints import (
     ADAPTER_DIR,
     CHECKPOINT_PREFIX,
@@ -75,6 +81,14 @@ class DSparkTrainer(Trainer):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, stats = self._loss(model, inputs)
+        if model.training:
+            self._check_finite(loss, inputs)
+            self._train_stats = stats if self._train_stats is None else self._train_stats + stats
+            self._record_batch(inputs)
+        return (loss, stats) if return_outputs else loss
+
+    def _loss(self, model, inputs, return_blocks: bool = False):
         states = (self.train_source if model.training else self.eval_source).states(inputs)
         device = inputs["input_ids"].device
         anchors = sample_anchors(inputs["loss_mask"], inputs["document_ids"], self.objective.max_anchors,
@@ -87,15 +101,11 @@ class DSparkTrainer(Trainer):
             position_ids=inputs["position_ids"],
             return_logits=False,
         )
-        loss, stats = dspark_loss(
+        return dspark_loss(
             self.drafter(model), outputs, inputs["input_ids"], inputs["loss_mask"], inputs["document_ids"], anchors,
             states.last_hidden_state.to(device), self.source.teacher(), self.objective,
+            **({"return_blocks": True} if return_blocks else {}),  # the plain call stays the plain signature
         )
-        if model.training:
-            self._check_finite(loss, inputs)
-            self._train_stats = stats if self._train_stats is None else self._train_stats + stats
-            self._record_batch(inputs)
-        return (loss, stats) if return_outputs else loss
 
     def _check_finite(self, loss: torch.Tensor, inputs) -> None:
         if torch.isfinite(loss).item():
@@ -146,9 +156,65 @@ class DSparkTrainer(Trainer):
         if "loss" in logs and not any(k.startswith("eval_") for k in logs) and self._train_stats is not None:
             stats = self.accelerator.reduce(self._train_stats.to(self.args.device), reduction="sum")
             metrics = reduce_stats(stats, self.objective.block_size)
-            logs.update({k: round(metrics[k], 4) for k in ("accept_len", "accept_rate", "greedy_accept_len")})
+            logs.update({k: round(metrics[k], 4) for k in ("accept_len", "accept_rate", "greedy_accept_len",
+                                                           "draft_vocab_coverage")})
             self._train_stats = None
         super().log(logs, start_time)
+
+    @torch.no_grad()
+    def confidence_samples(self, max_slots: int) -> dict[str, torch.Tensor]:
+        """`[M, B]` confidence logits `z`, confidence targets `target` and `supervised` masks of validation blocks,
+        float64 on the CPU and identical on every process, for the post-training calibration.
+
+        Process r reads validation rows r, r + W, ... (each row exactly once: the Trainer's sharded loader repeats
+        rows to even out the last batch), with evaluation's anchor seed, so on one process the fit sees exactly the
+        blocks `eval_*` describe. At most `max_slots // B` blocks are kept: a uniform sample without replacement
+        (the blocks with the smallest seeded random keys, merged batch by batch and then across processes), so
+        memory stays bounded and the sample is the same on a rerun."""
+        if self.drafter().confidence_head is None:
+            raise ValueError("the drafter has no confidence head to calibrate; check drafter.confidence_head first.")
+        B = self.objective.block_size
+        keep = max(1, max_slots // B)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        self._eval_generator = torch.Generator().manual_seed(self.args.seed)
+        picker = torch.Generator().manual_seed(self.args.seed + 1 + self.args.process_index)
+        held = [torch.zeros(0, dtype=torch.float64), torch.zeros(0, B, dtype=torch.float64),
+                torch.zeros(0, B, dtype=torch.float64), torch.zeros(0, B, dtype=torch.float64)]
+        try:
+            rows = range(self.args.process_index, len(self.eval_dataset), self.args.world_size)
+            loader = DataLoader(Subset(self.eval_dataset, rows), batch_size=self.args.per_device_eval_batch_size,
+                                collate_fn=self.data_collator)
+            for inputs in loader:
+                inputs = self._prepare_inputs(inputs)
+                with self.compute_loss_context_manager():
+                    _, _, blocks = self._loss(model, inputs, return_blocks=True)
+                valid = blocks["supervised"][..., 0]
+                z = blocks["confidence"][valid].double().cpu()
+                new = [torch.rand(z.shape[0], generator=picker, dtype=torch.float64), z,
+                       blocks["target"][valid].double().cpu(), blocks["supervised"][valid].double().cpu()]
+                held = _smallest_keys([torch.cat([a, b]) for a, b in zip(held, new)], keep)
+        finally:
+            self._eval_generator = None
+            model.train(was_training)
+        if self.args.world_size > 1:  # the same sample everywhere, so every process folds the same (a, c)
+            device = self.args.device
+            padded = [self.accelerator.pad_across_processes(held[0].to(device), dim=0, pad_index=2)]
+            padded += [self.accelerator.pad_across_processes(x.to(device), dim=0) for x in held[1:]]
+            gathered = [self.accelerator.gather(x).cpu() for x in padded]
+            real = gathered[0] < 2
+            held = _smallest_keys([x[real] for x in gathered], keep)
+        return {"z": held[1], "target": held[2], "supervised": held[3].bool()}
+
+    def servable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The drafter's tensors as its checkpoints store them (LoRA deltas merged)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "get_base_model"):
+            from trainer.adapters import merged_state_dict
+
+            return merged_state_dict(model)
+        return model.state_dict()
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
@@ -194,5 +260,28 @@ class DSparkTrainer(Trainer):
                 raise UsageError(f"{resume_from_checkpoint} has no LoRA adapter to resume from; resume a LoRA run "
                                  f"from one of its own checkpoints.")
             unwrapped.load_adapter(adapter, adapter_name="default", is_trainable=True)
-            return
+            return  # the base weights, confidence head included, come from init_from and were never folded
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._unfold_calibration(unwrapped, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not hasattr(unwrapped, "get_base_model"):  # PEFT: the Trainer reloads only an adapter at the top level
+            self._unfold_calibration(unwrapped, self.state.best_model_checkpoint)
+
+    @staticmethod
+    def _unfold_calibration(drafter, directory: str) -> None:
+        """A calibrated checkpoint holds `fold(trained head, a, c)` (trainer/calibration.py); training continues
+        from the trained head, so a resumed run matches an uninterrupted one and calibration is refitted once."""
+        head = getattr(drafter, "confidence_head", None)
+        if head is not None:
+            unfold_head(head.proj, directory)
+
+
+def _smallest_keys(held: list[torch.Tensor], keep: int) -> list[torch.Tensor]:
+    """The rows of `held[1:]` whose key (`held[0]`) is among the `keep` smallest: bottom-k sampling."""
+    if held[0].numel() <= keep:
+        return held
+    order = held[0].argsort()[:keep]
+    return [x[order] for x in held]

@@ -1,9 +1,10 @@
 """Where the verifier's hidden states come from during training.
 
 A *hidden-state source* turns a packed batch into `VerifierStates` (the aux states the drafter reads and
-the pre-norm last-layer states the teacher reads) and provides the teacher (the verifier's final norm and
-softcap). The trainer only talks to this interface, so other sources (a vLLM server, an offline cache) plug
-in by implementing `states()` and `teacher()`.
+the pre-norm last-layer states the teacher reads) and provides the teacher (the verifier's final norm,
+softcap and full output head, which the full-vocabulary metrics need). The trainer only talks to this
+interface, so other sources (a vLLM server, an offline cache) plug in by implementing `states()` and
+`teacher()`.
 
 The default, `InProcessVerifier`, runs a frozen Hugging Face verifier inside the training process: one
 no-grad decoder forward per batch, documents run separately (so a packed row never leaks context across
@@ -37,7 +38,8 @@ class HiddenStateSource(ABC):
 
     @abstractmethod
     def teacher(self) -> Teacher:
-        """The verifier's final norm and softcap, applied by the loss to `last_hidden_state`."""
+        """The verifier's final norm, softcap and full output head (shared), applied by the loss to
+        `last_hidden_state`; a source without the head supports only full-vocabulary drafters."""
 
 
 class InProcessVerifier(HiddenStateSource):
@@ -48,7 +50,9 @@ class InProcessVerifier(HiddenStateSource):
         self.aux_layer_ids = list(aux_layer_ids)
         self.max_tokens_per_forward = max_tokens_per_forward
         text = verifier.config.get_text_config()
-        self._teacher = Teacher(verifier_decoder(verifier).norm, getattr(text, "final_logit_softcapping", None))
+        head = verifier.get_output_embeddings()  # the verifier's own tensor (detach shares it, no copy)
+        self._teacher = Teacher(verifier_decoder(verifier).norm, getattr(text, "final_logit_softcapping", None),
+                                head.weight.detach() if head is not None else None)
         VerifierStateCapture(verifier, self.aux_layer_ids)  # validates the layer ids against this verifier
 
     @property

@@ -2,7 +2,8 @@
 
 Every number in the card is read from what `trainer/staging.py` hands over in `CardInputs`: the staged
 `config.json` and weights, the checkpoint's saved run configuration, data statistics and trainer state, the run
-summary, and the `dspark-acceptance/1` results files (`trainer/results.py`). Each `*_section` function renders one
+summary, the confidence calibration record (`CALIBRATION_FILE`, trainer/calibration.py), and the
+`dspark-acceptance/1` results files (`trainer/results.py`). Each `*_section` function renders one
 section of the template `model_card.md` (next to this file); `card_metadata` is the YAML front matter (base model,
 tags, training datasets, `model-index` evaluation results); `render_card` fills the template with
 `huggingface_hub.ModelCard.from_template`.
@@ -17,8 +18,8 @@ from types import SimpleNamespace
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from trainer.checkpoints import DATA_STATS_FILE, RUN_CONFIG_FILE, Checkpoint
-from trainer.plots import PLOT_FILE
+from trainer.checkpoints import CALIBRATION_FILE, DATA_STATS_FILE, RUN_CONFIG_FILE, Checkpoint, CheckpointError
+from trainer.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
 from trainer.results import AcceptanceResults, SubsetResult, is_hub_dataset
 from trainer.servable import read_json
 
@@ -173,6 +174,12 @@ def training_section(inputs: CardInputs) -> str:
                 f"gradient accumulation {t.get('gradient_accumulation_steps')} (device count not recorded)")
     rows.append(f"- Loss: {json.dumps(t.get('loss_weights'))} (CE target: {t.get('ce_target')}), confidence BCE weight "
                 f"{t.get('confidence_weight')}, position decay exp(−k/γ) with γ = {t.get('decay_gamma')}")
+    if t.get("teacher_vocab") or t.get("confidence_target"):  # recorded by runs since these options exist
+        teacher = {"draft": "the verifier's distribution renormalised over the draft vocabulary",
+                   "full": "the verifier's full-vocabulary probabilities of the draft tokens"}.get(
+                       t.get("teacher_vocab"), f"`{t.get('teacher_vocab')}`")
+        target = _TARGETS.get(t.get("confidence_target"), f"`{t.get('confidence_target')}`")
+        rows.append(f"- Teacher: {teacher}; confidence head trained for {target}")
     rows.append(f"- Anchors: up to {t.get('max_anchors')} per document, sampled fresh each step on supervised "
                 f"positions")
     samples = f", up to {d['max_samples']:,} samples" if d.get("max_samples") else ""
@@ -331,10 +338,61 @@ def _comparison(r: AcceptanceResults) -> str | None:
             + _table(header, rows))
 
 
+_CALIBRATION_KEYS = {"a": (int, float), "c": (int, float), "n_slots": int, "ece_before": (int, float),
+                     "ece_after": (int, float), "cumprod_bias_before": list, "cumprod_bias_after": list,
+                     "reliability_before": list, "reliability_after": list}
+_TARGETS = {"greedy": "greedy drafts checked by a sampling verifier, `p(argmax q)` (vLLM's default drafting)",
+            "greedy_t0": "greedy drafts checked by a greedy verifier, `1[argmax q = argmax p]`",
+            "sampled": "sampled drafts, `1 - TV(p, q)`"}
+
+
+def read_calibration(directory: Path) -> dict | None:
+    """The checkpoint's confidence calibration record (`CALIBRATION_FILE`), None when it has none."""
+    path = Path(directory) / CALIBRATION_FILE
+    if not path.exists():
+        return None
+    record = read_json(path)
+    bad = [k for k, kind in _CALIBRATION_KEYS.items() if not isinstance(record.get(k), kind)]
+    if bad:
+        raise CheckpointError(f"{path} lacks valid {', '.join(bad)}; restore it from the run, or delete it to export "
+                              f"the checkpoint without its calibration record.")
+    return record
+
+
+def calibration_section(inputs: CardInputs) -> str | None:
+    """"Confidence calibration": the fold the checkpoint's confidence head carries and what it changed; None for
+    a drafter without a confidence head."""
+    if not inputs.config.get("enable_confidence_head", True):
+        return None
+    cal = read_calibration(inputs.checkpoint.path)
+    if cal is None:
+        return (f"### Confidence calibration\n\nNot recorded: the checkpoint has no `{CALIBRATION_FILE}`, so whether "
+                f"the confidence head is calibrated is unknown.")
+    block = len(cal["cumprod_bias_before"])
+    target = _TARGETS.get(cal.get("confidence_target"), f"`{cal.get('confidence_target')}`")
+    fmt = lambda x: "–" if x is None else f"{x:+.3f}"  # noqa: E731
+    table = _table(["", *[f"pos_{k}" for k in range(block)]],
+                   [["cumulative-product bias before", *map(fmt, cal["cumprod_bias_before"])],
+                    ["cumulative-product bias after", *map(fmt, cal["cumprod_bias_after"])]])
+    return (f"### Confidence calibration\n\nThe confidence head predicts, per position, the probability that the "
+            f"verifier accepts the draft given the earlier ones were accepted, for {target}; vLLM's adaptive "
+            f"verification ranks positions by the cumulative product of these probabilities. After training, a "
+            f"logistic map `sigmoid(a·z + c)` of the confidence logits z was fitted on {cal['n_slots']:,} validation "
+            f"positions (a = {cal['a']:.4f}, c = {cal['c']:+.4f}) and folded into the head's weights, so the "
+            f"confidences served are calibrated with no extra configuration. Expected calibration error (10 "
+            f"equal-width bins): {cal['ece_before']:.4f} before, {cal['ece_after']:.4f} after.\n\n"
+            f"The cumulative-product bias at position k is the mean over validation blocks of the predicted survival "
+            f"`prod_(j<=k) sigmoid(c_j)` minus the realised one `prod_(j<=k) target_j` (positive: over-confident).\n\n"
+            f"{table}\n\n![Confidence reliability per position]({CALIBRATION_PLOT_FILE})\n\nObserved against "
+            f"predicted acceptance per position, before and after the fold.")
+
+
 def evaluation_section(inputs: CardInputs) -> str:
+    calibration = calibration_section(inputs)
+    tail = f"\n\n{calibration}" if calibration else ""
     if not inputs.results:
         return ("No evaluation results were given to this export (`push_to_hub.py --eval-results`), so this card "
-                "reports no measured acceptance length or throughput.")
+                "reports no measured acceptance length or throughput." + tail)
     block = inputs.config["block_size"]
     titles = [r.title for r in inputs.results]
     parts = []
@@ -344,7 +402,7 @@ def evaluation_section(inputs: CardInputs) -> str:
     parts.append(f"### Per-position acceptance\n\n![Per-position acceptance by subset]({PLOT_FILE})\n\n"
                  f"Share of verification steps that accepted at least k+1 drafts, per subset"
                  + (" (one panel per sampling setting)." if len(inputs.results) > 1 else "."))
-    return "\n\n".join(parts)
+    return "\n\n".join(parts) + tail
 
 
 def summary_section(inputs: CardInputs) -> str:

@@ -1,4 +1,6 @@
-"""The per-position acceptance plot an export ships next to its model card (the card embeds it by `PLOT_FILE`)."""
+"""The plots an export ships next to its model card (the card embeds each by its file name): per-position
+acceptance (`PLOT_FILE`) and the confidence head's reliability before and after calibration
+(`CALIBRATION_PLOT_FILE`)."""
 
 from __future__ import annotations
 
@@ -7,17 +9,22 @@ from pathlib import Path
 from trainer.results import AcceptanceResults
 
 PLOT_FILE = "acceptance_per_position.png"
+CALIBRATION_PLOT_FILE = "confidence_reliability.png"
 
 
-def plot_acceptance(results: list[AcceptanceResults], path: Path) -> None:
-    """pos_k against k, one line per subset, one panel per results file. Uses matplotlib's object API (no
-    pyplot), so no GUI backend or global state is involved; the canvas is Agg."""
+def _figure(panels: int, height: float = 4.2):
+    """A Figure on an Agg canvas via matplotlib's object API (no pyplot): no GUI backend, no global state."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4 * len(results), 4.2), dpi=110)
+    fig = Figure(figsize=(6.4 * panels, height), dpi=110)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(results), squeeze=False)[0]
+    return fig, fig.subplots(1, panels, squeeze=False)[0]
+
+
+def plot_acceptance(results: list[AcceptanceResults], path: Path) -> None:
+    """pos_k against k, one line per subset, one panel per results file."""
+    fig, axes = _figure(len(results))
     for ax, r in zip(axes, results):
         xs = list(range(r.block_size))
         for s in r.subsets:
@@ -29,5 +36,28 @@ def plot_acceptance(results: list[AcceptanceResults], path: Path) -> None:
         ax.set_title(r.title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, title="subset (acceptance length)", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def plot_reliability(calibration: dict, path: Path) -> None:
+    """Observed against predicted acceptance per position, before and after the calibration fold (one panel
+    each, one line per position over the non-empty bins, the diagonal is perfect calibration). `calibration`
+    is a `trainer/calibration.py` record (`CALIBRATION_FILE`)."""
+    fig, axes = _figure(2, height=4.6)
+    for ax, when in zip(axes, ("before", "after")):
+        ax.plot([0, 1], [0, 1], linestyle="--", color="0.6", linewidth=1)
+        for k, bins in enumerate(calibration[f"reliability_{when}"]):
+            filled = [b for b in bins if b["count"]]
+            if filled:
+                ax.plot([b["mean_predicted"] for b in filled], [b["mean_observed"] for b in filled], marker="o",
+                        markersize=4, linewidth=1.2, label=f"pos_{k}")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted acceptance, sigmoid(confidence)")
+        ax.set_ylabel("observed acceptance (confidence target)")
+        ax.set_title(f"{when} calibration (ECE {calibration[f'ece_{when}']:.3f})", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, title="position", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png", metadata={"Software": None})

@@ -11,6 +11,12 @@ backend in trainer/acceptance.py; a vLLM server backend writes the same file). T
     subsets.<name>                acceptance_length (1.0 .. B+1), pos [B] (pos[k]: share of steps accepting
                                   >= k+1 drafts), steps, prompts, generated_tokens, and with throughput
                                   tokens_per_s, baseline_tokens_per_s, speedup (same prompts on both sides)
+                                  fidelity check (greedy only; null when not run, e.g. at T > 0):
+                                  teacher_forced_acceptance_length (mean over the compared steps of the
+                                  acceptance the drafter's training forward predicts on the generated
+                                  sequence), fidelity_steps (steps compared), fidelity_steps_differing
+                                  (compared steps whose teacher-forced value differs from the measured one;
+                                  0 unless training forward and draft() disagree, or at argmax ties)
     weighted_acceptance_length    mean over all steps (subsets weighted by steps)
     unweighted_acceptance_length  plain mean of the subset means
     total_steps
@@ -76,6 +82,9 @@ class AcceptanceStats:
     baseline_seconds: float = 0.0
     paired_tokens: int = 0  # drafter tokens and time on the prompts the baseline was also timed on
     paired_seconds: float = 0.0
+    # fidelity check (trainer/acceptance.py `teacher_forced_acceptance`): None until a check was recorded
+    teacher_forced: list[int] | None = None  # teacher-forced acceptance of each compared step
+    fidelity_steps_differing: int = 0
 
     def add(self, committed_per_step: list[int], generated_tokens: int, seconds: float) -> None:
         bad = [c for c in committed_per_step if not 1 <= c <= self.block_size + 1]
@@ -85,6 +94,19 @@ class AcceptanceStats:
         self.prompts += 1
         self.generated_tokens += generated_tokens
         self.seconds += seconds
+
+    def add_fidelity(self, teacher_forced: list[int], differing: int) -> None:
+        """Record one prompt's fidelity check: the teacher-forced acceptance of each compared step and how many
+        of them differ from the measured one."""
+        bad = [c for c in teacher_forced if not 1 <= c <= self.block_size + 1]
+        if bad:
+            raise ValueError(f"a teacher-forced acceptance of {bad[0]} is outside 1..{self.block_size + 1}.")
+        if not 0 <= differing <= len(teacher_forced):
+            raise ValueError(f"{differing} differing steps out of {len(teacher_forced)} compared is impossible.")
+        if self.teacher_forced is None:
+            self.teacher_forced = []
+        self.teacher_forced.extend(teacher_forced)
+        self.fidelity_steps_differing += differing
 
 
 def reduce(stats: dict[str, AcceptanceStats], block_size: int) -> dict:
@@ -98,6 +120,11 @@ def reduce(stats: dict[str, AcceptanceStats], block_size: int) -> dict:
     subsets = {}
     for name, s in stats.items():
         out = {**reduced["subsets"][name], "prompts": s.prompts, "generated_tokens": s.generated_tokens}
+        checked = s.teacher_forced is not None
+        out["teacher_forced_acceptance_length"] = (sum(s.teacher_forced) / len(s.teacher_forced)
+                                                   if checked and s.teacher_forced else None)
+        out["fidelity_steps"] = len(s.teacher_forced) if checked else None
+        out["fidelity_steps_differing"] = s.fidelity_steps_differing if checked else None
         if s.seconds:
             out["tokens_per_s"] = s.generated_tokens / s.seconds
         if s.baseline_seconds:
@@ -160,6 +187,9 @@ def format_table(results: dict) -> str:
     """A readable Markdown table of a results dict (per subset, then the means)."""
     B = results["block_size"]
     head = "| subset | acceptance_length | " + " | ".join(f"pos_{k}" for k in range(B)) + " | steps |"
+    has_fidelity = any(v.get("fidelity_steps") is not None for v in results["subsets"].values())
+    if has_fidelity:
+        head += " teacher_forced_acceptance_length | fidelity_steps_differing |"
     has_speed = any("tokens_per_s" in v for v in results["subsets"].values())
     has_baseline = any("baseline_tokens_per_s" in v for v in results["subsets"].values())
     if has_speed:
@@ -170,6 +200,10 @@ def format_table(results: dict) -> str:
             continue
         row = f"| {name} | {v['acceptance_length']:.3f} | " + " | ".join(f"{p:.1%}" for p in v["pos"])
         row += f" | {v['steps']} |"
+        if has_fidelity:
+            tf, compared = v.get("teacher_forced_acceptance_length"), v.get("fidelity_steps")
+            row += f" {tf:.3f} |" if tf is not None else " - |"
+            row += f" {v['fidelity_steps_differing']} of {compared} |" if compared is not None else " - |"
         if has_speed:
             row += f" {v['tokens_per_s']:.1f} |" if "tokens_per_s" in v else " - |"
             if has_baseline:
@@ -180,6 +214,13 @@ def format_table(results: dict) -> str:
         lines.append("")
         lines.append(f"Weighted mean acceptance length {w:.3f} over {results['total_steps']} verification steps "
                      f"(unweighted mean over subsets {u:.3f}).")
+    if has_fidelity:
+        checked = [v for v in results["subsets"].values() if v.get("fidelity_steps") is not None]
+        compared = sum(v["fidelity_steps"] for v in checked)
+        differing = sum(v.get("fidelity_steps_differing") or 0 for v in checked)
+        lines.append("")
+        lines.append(f"Fidelity check (the training forward, teacher-forced on the generated sequences, against the "
+                     f"measured greedy acceptance): {differing} of {compared} compared verification steps differ.")
     return "\n".join(lines)
 
 
@@ -208,6 +249,9 @@ class SubsetResult:
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
     speedup: float | None = None
+    teacher_forced_acceptance_length: float | None = None  # fidelity check; None when not run or not recorded
+    fidelity_steps: int | None = None
+    fidelity_steps_differing: int | None = None
 
 
 @dataclass
@@ -328,6 +372,11 @@ def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | No
             tokens_per_s=_number(entry.get("tokens_per_s"), w + "tokens_per_s", path),
             baseline_tokens_per_s=_number(entry.get("baseline_tokens_per_s"), w + "baseline_tokens_per_s", path),
             speedup=_number(entry.get("speedup"), w + "speedup", path),
+            teacher_forced_acceptance_length=_number(entry.get("teacher_forced_acceptance_length"),
+                                                     w + "teacher_forced_acceptance_length", path),
+            fidelity_steps=_number(entry.get("fidelity_steps"), w + "fidelity_steps", path, integer=True),
+            fidelity_steps_differing=_number(entry.get("fidelity_steps_differing"), w + "fidelity_steps_differing",
+                                             path, integer=True),
         ))
     if not subsets:
         raise ResultsError(f"eval results {path} has no measured subset (no verification steps in {unmeasured}); rerun "

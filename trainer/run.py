@@ -7,7 +7,9 @@ Steps: resolve the verifier and its tokenizer; render, tokenise (cached), split 
 choose the draft vocabulary from the training split; load the frozen verifier in-process; build (or
 `init_from`) the drafter; train with `DSparkTrainer` (Muon + AdamW, cosine schedule, periodic evaluation
 of the teacher-forced acceptance, best checkpoint by `eval_accept_len`); save the final drafter into
-`output_dir`. The last log line reports the validation `accept_len`.
+`output_dir`; calibrate the confidence head on the validation split and fold the calibration into the final
+drafter and the best checkpoint (trainer/calibration.py). The last log line reports the validation
+`accept_len`.
 """
 
 import dataclasses
@@ -27,6 +29,16 @@ from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
 
 from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id  # noqa: E402
 from modeling_dspark import DSparkDraftModel  # noqa: E402
+from trainer.calibration import (  # noqa: E402
+    HEAD_BIAS,
+    HEAD_WEIGHT,
+    MIN_SLOPE,
+    calibration_record,
+    fit_logistic,
+    fold_head,
+    write_folded_head,
+    write_record,
+)
 from trainer.checkpoints import (  # noqa: E402
     check_output_dir,
     check_resume_compatible,
@@ -175,7 +187,7 @@ def train(config: RunConfig) -> dict:
         optimizer_cls_and_kwargs=optimizer,
         source=InProcessVerifier(verifier, drafter.config.aux_hidden_state_layer_ids,
                                  max_tokens_per_forward=t.verifier_max_tokens_per_forward),
-        objective=config.objective(block_size=drafter.config.block_size),
+        objective=build_objective(config, drafter.config.block_size),
         run_config=config,
         data_stats=data_stats,
         save_total_limit=t.save_total_limit,
@@ -188,12 +200,14 @@ def train(config: RunConfig) -> dict:
     trainer.save_model(t.output_dir)
     trainer.update_best_link()
     final = trainer.evaluate() if has_validation else {}
+    calibration = calibrate_confidence(trainer, drafter, config, has_validation)
     summary = {
         "train_loss": result.training_loss,
         "global_step": trainer.state.global_step,
         "eval_accept_len": final.get("eval_accept_len"),
         "initial_eval_accept_len": initial["eval_accept_len"] if initial else None,
         "best_checkpoint": trainer.state.best_model_checkpoint,
+        "calibration": calibration,
         "wall_time_s": time.time() - started,
     }
     if args.should_save:
@@ -206,6 +220,63 @@ def train(config: RunConfig) -> dict:
     else:
         logger.warning("done: %d steps in %.0f s (no validation split)", summary["global_step"], summary["wall_time_s"])
     return summary
+
+
+def build_objective(config: RunConfig, block_size: int | None = None):
+    """The loss settings, with the teacher and confidence-target choices of the train section."""
+    try:
+        return config.objective(block_size=block_size)
+    except ValueError as e:  # ObjectiveConfig's checks are one sentence naming the valid values
+        raise UsageError(f"train: {e}") from e
+
+
+def calibrate_confidence(trainer: DSparkTrainer, drafter: DSparkDraftModel, config: RunConfig,
+                         has_validation: bool) -> dict | None:
+    """Fit `sigmoid(a*z + c)` to the confidence targets of the validation split and fold it into the head of the
+    model in memory, the final drafter in output_dir and the best checkpoint (the one an export picks), each with
+    its `CALIBRATION_FILE`; a checkpoint whose other weights differ from the model in memory is left alone (the
+    fit is not for it). Runs on every process (the sample is gathered), writes on the main one. Returns the
+    summary's record, or None when skipped (no validation split, no confidence head, or switched off)."""
+    t, args = config.train, trainer.args
+    head = drafter.confidence_head
+    reason = ("train.calibrate_confidence is false" if not t.calibrate_confidence else
+              "the drafter has no confidence head" if head is None else
+              "there is no validation split" if not has_validation else None)
+    if reason:
+        logger.info("confidence calibration skipped: %s", reason)
+        return None
+    samples = trainer.confidence_samples(t.calibration_max_slots)
+    z, target, mask = samples["z"], samples["target"], samples["supervised"]
+    if not bool(mask.any()):
+        logger.info("confidence calibration skipped: the validation split has no supervised slot")
+        return None
+    a, c = fit_logistic(z[mask], target[mask])
+    if not abs(a) >= MIN_SLOPE:
+        logger.warning("confidence calibration skipped: the fitted slope a=%.2g says the confidence logits carry no "
+                       "signal about acceptance, so folding it would erase the head", a)
+        return None
+    record = calibration_record(z, target, mask, a, c, confidence_target=t.confidence_target,
+                                teacher_vocab=t.teacher_vocab, split="validation", max_slots=t.calibration_max_slots)
+    reference = trainer.servable_state_dict()  # before the fold: the weights the fit belongs to
+    fold_head(head.proj, a, c)
+    folded = {HEAD_WEIGHT: head.proj.weight, HEAD_BIAS: head.proj.bias}
+    applied = []
+    if args.should_save:
+        for directory in dict.fromkeys(d for d in (t.output_dir, trainer.state.best_model_checkpoint) if d):
+            if write_folded_head(directory, folded, reference):
+                write_record(directory, record)  # after the weights: the record's presence means they are folded
+                applied.append(directory)
+            else:
+                logger.warning("confidence calibration not applied to %s: its weights are not the model it was "
+                               "fitted on", directory)
+    args_barrier(args)
+    fmt = lambda xs: "[" + ", ".join("n/a" if x is None else f"{x:+.3f}" for x in xs) + "]"  # noqa: E731
+    logger.info("confidence calibration (%s target) on %d validation slots: sigmoid(%.4f*z %+.4f); ECE %.4f -> %.4f; "
+                "cumulative-product bias per position %s -> %s; folded into %s", t.confidence_target,
+                record["n_slots"], a, c, record["ece_before"], record["ece_after"],
+                fmt(record["cumprod_bias_before"]), fmt(record["cumprod_bias_after"]), ", ".join(applied) or "nothing")
+    keys = ("a", "c", "n_slots", "ece_before", "ece_after", "cumprod_bias_before", "cumprod_bias_after")
+    return {**{k: record[k] for k in keys}, "applied_to": applied}
 
 
 def build_training_arguments(config: RunConfig, has_validation: bool) -> TrainingArguments:
@@ -260,6 +331,7 @@ def preflight(config: RunConfig) -> str:
     for the draft vocabulary and mask token), the `init_from` drafter, local data paths and the resume target.
     Returns the verifier's resolved path."""
     m, d, t = config.model, config.data, config.train
+    build_objective(config)  # the teacher and confidence-target choices, before anything touches the disk
     check_output_dir(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir)
     if t.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(t.resume_from_checkpoint):
         raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "

@@ -263,6 +263,10 @@ def check_serving_config(config: dict, tensors: dict | None = None) -> None:
         problems.append("sample_from_anchor is missing (vLLM defaults it to false, collapsing acceptance to ~1)")
     elif config["sample_from_anchor"] is not True:
         problems.append(f"sample_from_anchor is {config['sample_from_anchor']!r}, not true")
+    if config.get("sliding_window_non_causal"):
+        problems.append("sliding_window_non_causal is true, but vLLM ignores it and serves the sliding layers causal "
+                        "inside the block, not as this drafter was trained (retrain it with "
+                        "sliding_window_non_causal: false)")
     try:
         v_layers = (config.get("verifier_text_config") or {}).get("num_hidden_layers")
         check_aux_layer_ids(config.get("aux_hidden_state_layer_ids"), v_layers if isinstance(v_layers, int) else None)

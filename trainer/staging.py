@@ -2,8 +2,9 @@
 
 `stage` writes exactly the serving contract (`trainer/servable.py`): bf16 `model.safetensors` with only the
 contract's tensors, `config.json` naming the verifier by Hub id (vLLM refuses local paths there), the two
-remote-code files, the model card `README.md` (`trainer/model_card.py`) and, with results, the per-position
-acceptance plot (`trainer/plots.py`). It then proves the folder serves: vLLM's structural config checks, the
+remote-code files, the model card `README.md` (`trainer/model_card.py`), with results the per-position
+acceptance plot and, when the checkpoint records a confidence calibration, its reliability plot
+(`trainer/plots.py`). It then proves the folder serves: vLLM's structural config checks, the
 exact tensor set with its dtypes, finite weights equal to the checkpoint's (bf16-rounded), and a load through
 `AutoModel.from_pretrained(..., trust_remote_code=True)` in a fresh process with an empty module cache. The
 commit message and description are built here too, from the same data.
@@ -21,8 +22,8 @@ import yaml
 
 from trainer.checkpoints import RUN_CONFIG_FILE, TRAINER_STATE_FILE, Checkpoint, CheckpointError, read_summary
 from trainer.errors import DSparkError
-from trainer.model_card import CardInputs, render_card
-from trainer.plots import PLOT_FILE, plot_acceptance
+from trainer.model_card import CardInputs, read_calibration, render_card
+from trainer.plots import CALIBRATION_PLOT_FILE, PLOT_FILE, plot_acceptance, plot_reliability
 from trainer.results import AcceptanceResults, read_results, weights_sha256
 from trainer.servable import (
     REMOTE_CODE_FILES,
@@ -37,7 +38,8 @@ from trainer.servable import (
 
 CARD_FILE = "README.md"
 # Remote files a new export replaces in the same commit: stale shards or an old plot would otherwise linger.
-DELETE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", f"{Path(PLOT_FILE).stem}*.png"]
+DELETE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", f"{Path(PLOT_FILE).stem}*.png",
+                   f"{Path(CALIBRATION_PLOT_FILE).stem}*.png"]
 
 
 class StagingError(DSparkError):
@@ -57,15 +59,16 @@ class Staged:
 
 def is_export_file(name: str) -> bool:
     """A file name an export writes (so a folder holding only such files may be replaced by a new export)."""
-    return name in {"config.json", CARD_FILE, PLOT_FILE, WEIGHTS_INDEX_FILE, *REMOTE_CODE_FILES} or \
+    return name in {"config.json", CARD_FILE, PLOT_FILE, CALIBRATION_PLOT_FILE, WEIGHTS_INDEX_FILE,
+                    *REMOTE_CODE_FILES} or \
         name.endswith(".safetensors")
 
 
-def expected_files(folder: Path, with_plot: bool) -> set[str]:
+def expected_files(folder: Path, with_plot: bool, with_calibration_plot: bool = False) -> set[str]:
     names = {"config.json", CARD_FILE, *REMOTE_CODE_FILES, *weight_files(folder)}
     if (folder / WEIGHTS_INDEX_FILE).exists():
         names.add(WEIGHTS_INDEX_FILE)
-    return names | ({PLOT_FILE} if with_plot else set())
+    return names | ({PLOT_FILE} if with_plot else set()) | ({CALIBRATION_PLOT_FILE} if with_calibration_plot else set())
 
 
 def _versions() -> dict[str, str]:
@@ -160,10 +163,13 @@ def stage(checkpoint: Checkpoint, folder: Path, *, repo_id: str, verifier_id: st
     )
     if results:
         plot_acceptance(results, folder / PLOT_FILE)
+    calibration = read_calibration(checkpoint.path)
+    if calibration is not None:
+        plot_reliability(calibration, folder / CALIBRATION_PLOT_FILE)
     render_card(inputs, run_config_sha).save(folder / CARD_FILE)
 
     present = {p.name for p in folder.iterdir()}
-    wanted = expected_files(folder, bool(results))
+    wanted = expected_files(folder, bool(results), calibration is not None)
     if present != wanted:
         raise StagingError(f"the staged folder holds {sorted(present ^ wanted)} beyond or short of the contract's "
                            f"files; re-run the export, and report it if it persists.")
