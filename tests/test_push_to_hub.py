@@ -516,3 +516,25 @@ def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_file
     assert ph.main(args(run_dir, "--dry-run", str(foreign)), api=NoNetwork()) == 2
     assert "exists and holds other files; pass a new directory or remove it" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_card_names_the_serving_options_the_drafter_was_trained_for(tmp_path):
+    """Block size, the drafting mode of the confidence target, adaptive verification (calibrated or not) and, for
+    Gemma 4 verifiers, the fast-prefill caveat all come from the checkpoint's own records."""
+    from trainer.checkpoints import CALIBRATION_FILE
+    from trainer.model_card import _CALIBRATION_KEYS, serving_options
+
+    config = {"block_size": 8, "enable_confidence_head": True, "verifier_text_config": {"model_type": "gemma4_text"}}
+    inputs = SimpleNamespace(config=config, checkpoint=SimpleNamespace(path=tmp_path),
+                             run_config={"train": {"confidence_target": "greedy"}})
+    text = serving_options(inputs)
+    assert "Keep `num_speculative_tokens` at 8" in text and "default greedy drafting" in text
+    assert "was not calibrated for this export" in text and "kv_sharing_fast_prefill" in text
+    record = {"a": 1.44, "c": 0.42, "n_slots": 5791, "ece_before": 0.0431, "ece_after": 0.0175,
+              "cumprod_bias_before": [], "cumprod_bias_after": [], "reliability_before": [], "reliability_after": []}
+    assert set(record) == set(_CALIBRATION_KEYS)
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps(record))
+    inputs.config = {**config, "verifier_text_config": {"model_type": "llama"}}
+    inputs.run_config = {"train": {"confidence_target": "sampled"}}
+    text = serving_options(inputs)
+    assert "probabilistic drafting" in text and "0.043 -> 0.018" in text and "kv_sharing_fast_prefill" not in text

@@ -438,6 +438,43 @@ def summary_section(inputs: CardInputs) -> str:
     return text
 
 
+_TRAINED_FOR = {
+    "greedy": "vLLM's default greedy drafting (`draft_sample_method: greedy`, the verifier sampling at its own "
+              "temperature)",
+    "greedy_t0": "greedy drafting with greedy (temperature 0) verification",
+    "sampled": "probabilistic drafting (`draft_sample_method: probabilistic`)",
+}
+
+
+def serving_options(inputs: CardInputs) -> str:
+    """Which vLLM options the drafter was trained for, from its config, run config and calibration record."""
+    c = inputs.config
+    block = c["block_size"]
+    rows = [f"- Keep `num_speculative_tokens` at {block} (what `config.json` gives vLLM): training drafted blocks of "
+            f"exactly {block} slots, and the full-attention layers attend across the whole block, so another count "
+            f"drafts out of distribution."]
+    cal = read_calibration(inputs.checkpoint.path)
+    target = ((inputs.run_config or {}).get("train") or {}).get("confidence_target") or (cal or {}).get(
+        "confidence_target")
+    if c.get("enable_confidence_head", True):
+        if target in _TRAINED_FOR:
+            rows.append(f"- The confidence head was trained for {_TRAINED_FOR[target]}; with another drafting mode its "
+                        f"confidences are biased.")
+        if cal:
+            rows.append(f"- `enable_adaptive_verification: true` (in `--speculative-config`) verifies only the draft "
+                        f"slots with the highest cumulative confidence; the head was calibrated on held-out data "
+                        f"(expected calibration error {cal['ece_before']:.3f} -> {cal['ece_after']:.3f}), so its "
+                        f"ranking can be trusted. Off by default.")
+        else:
+            rows.append("- `enable_adaptive_verification` relies on the confidence head, which was not calibrated for "
+                        "this export: measure before turning it on.")
+    family = str((c.get("verifier_text_config") or {}).get("model_type") or "")
+    if family.startswith("gemma4"):
+        rows.append("- Keep `kv_sharing_fast_prefill` off (the default): Gemma 4's fast-prefill path produces no "
+                    "verifier hidden states for the drafter to read.")
+    return "#### Serving options this drafter was trained for\n\n" + "\n".join(rows)
+
+
 def usage_section(inputs: CardInputs) -> str:
     repo, v, block = inputs.repo_id, inputs.verifier_id, inputs.config["block_size"]
     revision = inputs.revision or "main"
@@ -460,6 +497,8 @@ reply = client.chat.completions.create(model="{repo}", messages=[{{"role": "user
                                        max_tokens=256)
 print(reply.choices[0].message.content)
 ```
+
+{serving_options(inputs)}
 
 ### transformers
 
