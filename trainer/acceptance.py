@@ -29,7 +29,6 @@ file); `push_to_hub.py` renders it into the model card.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -99,25 +98,14 @@ def load_prompt_sets(source: str, subsets: list[str] | None = None, limit: int |
 
 
 def _read_prompts(path: str) -> list[str]:
+    from trainer.data import read_jsonl_objects
+
     prompts = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UsageError(f"{path} line {number} is not valid UTF-8 ({e.reason}); save the file as UTF-8.") from e
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path} line {number} is not valid JSON ({e.msg}, column {e.colno}): "
-                                 f"{line.strip()[:60]!r}; fix or delete that line.") from e
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise UsageError(f"{path} line {number} has no string `prompt` field (found {keys}); write one "
-                                 f'{{"prompt": "..."}} object per line.')
-            prompts.append(row["prompt"])
+    for number, row in read_jsonl_objects(path):
+        if not isinstance(row.get("prompt"), str):
+            raise UsageError(f"{path} line {number} has no string `prompt` field (found {sorted(row)}); write one "
+                             f'{{"prompt": "..."}} object per line.')
+        prompts.append(row["prompt"])
     if not prompts:
         raise UsageError(f"{path} holds no prompts; add lines like {{\"prompt\": \"...\"}} or delete the file.")
     return prompts

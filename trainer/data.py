@@ -992,3 +992,28 @@ def supervised_token_counts(dataset: datasets.Dataset, vocab_size: int, batch_si
             counts += np.bincount(ids, minlength=vocab_size)
             progress.update(batch.num_rows)
     return torch.from_numpy(counts)
+
+
+def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
+    """`(line number, object)` for every non-blank line of a small JSONL file (prompt sets, regeneration
+    outputs), strictly: any unreadable line is one sentence naming the file and line. Training data goes through
+    `load_chat_dataset` instead, whose pre-scan may skip a small share of bad lines."""
+    rows = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{path} line {number} is not valid UTF-8 ({e.reason}); save the file as UTF-8.") from e
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path} line {number} is not valid JSON ({e.msg}, column {e.colno}): "
+                                 f"{line.strip()[:60]!r}; fix or delete that line.") from e
+            if not isinstance(row, dict):
+                raise UsageError(f"{path} line {number} is a JSON {type(row).__name__}, not an object; write one "
+                                 f"object per line.")
+            rows.append((number, row))
+    return rows

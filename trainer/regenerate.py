@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 from transformers import AutoTokenizer  # noqa: E402
 
 from configuration_dspark import is_hub_id  # noqa: E402
-from trainer.data import normalize_messages  # noqa: E402
+from trainer.data import normalize_messages, read_jsonl_objects  # noqa: E402
 from trainer.errors import UsageError, run_cli  # noqa: E402
 from trainer.verifier import generation_kwargs, load_verifier, resolve_pretrained, resolve_sampling  # noqa: E402
 
@@ -70,22 +70,7 @@ def prompt_rows(source: str, split: str | None = None, max_samples: int | None =
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    """The JSON objects of a JSONL file; a bad line is one sentence naming the file and line."""
-    rows = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UsageError(f"{path} line {number} is not valid JSON text ({e}); fix or delete that line.") from e
-            if not isinstance(row, dict):
-                raise UsageError(f"{path} line {number} is a JSON {type(row).__name__}, not an object; write one "
-                                 f"object per line.")
-            rows.append(row)
-    return rows
+    return [row for _, row in read_jsonl_objects(path)]
 
 
 def _read_finished(path: str) -> list[dict]:
