@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trainer.verifier import load_verifier, resolve_pretrained
 
     # Everything that can be refused is refused before either model's weights are loaded.
-    drafter_path, _ = resolve_pretrained(args.drafter, "drafter")
+    drafter_path, _ = resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)
     dconfig = DSparkConfig.from_pretrained(drafter_path)
     verifier_name = args.verifier or dconfig.verifier_local_path or dconfig.verifier_name_or_path
     if not verifier_name:

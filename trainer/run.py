@@ -342,7 +342,7 @@ def preflight(config: RunConfig) -> str:
             raise UsageError(f"data.train_data {source} does not exist (and it is not a Hub dataset id); check the "
                              f"path.")
     if m.init_from:
-        resolve_pretrained(m.init_from, "init_from drafter")
+        resolve_pretrained(m.init_from, "init_from drafter", trust_remote_code=True)
         adopt_init_from(config)
     verifier_path, verifier_config = resolve_pretrained(m.verifier, "verifier")
     text = verifier_config.get_text_config()

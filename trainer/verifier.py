@@ -53,9 +53,12 @@ def generation_kwargs(sampling: dict, max_new_tokens: int, pad_token_id: int | N
     return kwargs
 
 
-def resolve_pretrained(name: str, what: str = "verifier"):
+def resolve_pretrained(name: str, what: str = "verifier", trust_remote_code: bool = False):
     """`(path, config)` for a model given as a local directory, a registered small model or a Hub id, reading
-    only its config (nothing heavy), or one sentence saying why it cannot be loaded and what to pass instead."""
+    only its config (nothing heavy), or one sentence saying why it cannot be loaded and what to pass instead.
+
+    `trust_remote_code` only for drafters (their config class is this package's own remote code, which the user
+    runs anyway to load them); a verifier's config is read without executing any repo code."""
     import os
 
     import huggingface_hub
@@ -81,7 +84,7 @@ def resolve_pretrained(name: str, what: str = "verifier"):
     elif not is_hub_id(path):
         raise UsageError(f"{what} directory {name} does not exist (and it is not a Hub id); check the path.")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         if os.path.isdir(path):
             raise UsageError(f"{what} directory {name} holds no readable config.json "
