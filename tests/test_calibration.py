@@ -198,6 +198,15 @@ def test_other_targets_and_skipped_calibration(aligned_verifier_dir, chat_data_f
     record = json.loads((tmp_path / "full" / CALIBRATION_FILE).read_text())
     assert (record["teacher_vocab"], record["confidence_target"]) == ("full", "greedy_t0")
     assert record["ece_after"] <= record["ece_before"] and summary["calibration"]["a"] == record["a"]
+    # speculators' confidence target needs no full-vocabulary pass: training skips it, evaluation still reports it
+    summary = run(aligned_verifier_dir, chat_data_file, tmp_path / "restricted", "--max_steps", "2", "--eval_steps",
+                  "2", "--logging_steps", "1", "--confidence_target", "sampled_restricted", "--full_vocab_metrics",
+                  "false", "--eval_at_start", "false")
+    assert math.isfinite(summary["eval_accept_len"]) and summary["eval_accept_len"] <= summary.get(
+        "eval_restricted_accept_len", math.inf)
+    history = json.loads((tmp_path / "restricted" / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    train_logs = [h for h in history if "loss" in h and "eval_loss" not in h]
+    assert train_logs and all("restricted_accept_len" in h and "accept_len" not in h for h in train_logs)
     summary = run(aligned_verifier_dir, chat_data_file, tmp_path / "nohead", "--max_steps", "2", "--eval_steps", "2",
                   "--enable_confidence_head", "false", "--eval_at_start", "false")
     assert summary["calibration"] is None and not (tmp_path / "nohead" / CALIBRATION_FILE).exists()
@@ -210,7 +219,7 @@ def test_other_targets_and_skipped_calibration(aligned_verifier_dir, chat_data_f
 
 def test_bad_teacher_and_target_choices_are_refused_before_anything_is_loaded(tmp_path):
     for flag, value, valid in (("--teacher_vocab", "verifier", "['draft', 'full']"),
-                               ("--confidence_target", "tv", "['greedy', 'greedy_t0', 'sampled']")):
+                               ("--confidence_target", "tv", "['greedy', 'greedy_t0', 'sampled', 'sampled_restricted']")):
         with pytest.raises(UsageError, match=re.escape(f"train: {flag[2:]} must be one of {valid}")):
             run("no/such-verifier", str(tmp_path / "missing.jsonl"), tmp_path / "out", flag, value)
     assert not (tmp_path / "out").exists()

@@ -189,3 +189,18 @@ def test_run_config_refuses_a_non_causal_sliding_window():
     assert message.startswith("model.sliding_window_non_causal is true, but vLLM ignores it and serves the sliding "
                               "layers causal inside the block")
     assert message.endswith("set it to false.") and message.count(". ") == 0 and "\n" not in message
+
+
+def test_skipping_the_full_vocabulary_pass_needs_a_loss_that_does_not_read_it():
+    """`full_vocab_metrics: false` only saves time when nothing in the loss reads the verifier's full head; with a
+    confidence target or teacher that does, the setting would silently do nothing, so it is refused."""
+    from trainer.config import RunConfig
+    from trainer.errors import UsageError
+
+    base = ["--verifier", "x", "--train_data", "y", "--full_vocab_metrics", "false"]
+    with pytest.raises(UsageError, match=r"confidence_target 'greedy' needs the full-vocabulary pass anyway"):
+        RunConfig.load(None, base)
+    ok = RunConfig.load(None, [*base, "--confidence_target", "sampled_restricted"])
+    assert ok.objective().full_vocab_metrics is False and ok.objective().confidence_target == "sampled_restricted"
+    with pytest.raises(UsageError, match=r"teacher_vocab 'full' with confidence_target 'sampled_restricted'"):
+        RunConfig.load(None, [*base, "--confidence_target", "sampled_restricted", "--teacher_vocab", "full"])

@@ -114,13 +114,17 @@ class TrainArgs:
     confidence_weight: float = 1.0
     decay_gamma: float = 4.0
     ce_target: str = "teacher"
-    loss_chunk_elements: int = 1 << 26
+    loss_chunk_elements: int = 1 << 23  # logits elements per chunk of the loss: its memory budget
     # What CE/TV/KL compare the draft with: draft = the verifier's distribution renormalised over the draft
     # vocabulary; full = its full-vocabulary probabilities of the draft tokens (the mass outside stays lost).
     teacher_vocab: str = DEFAULT_TEACHER_VOCAB
     # The acceptance the confidence head predicts: greedy = p(argmax q) (vLLM's default greedy drafts, verifier
     # sampling), greedy_t0 = 1[argmax q == argmax p] (greedy verifier), sampled = 1 - TV (probabilistic drafting).
     confidence_target: str = DEFAULT_CONFIDENCE_TARGET
+    # false: skip the full-vocabulary metrics on training batches when the loss does not need them (teacher_vocab
+    # draft + confidence_target sampled_restricted), a pass over the verifier's whole head per slot; evaluation
+    # always computes them.
+    full_vocab_metrics: bool = True
     calibrate_confidence: bool = True  # after training, fit sigmoid(a*z + c) on validation and fold it into the head
     calibration_max_slots: int = 200_000  # validation slots the calibration collects at most (whole blocks)
     eval_steps: int = 500
@@ -282,6 +286,11 @@ class RunConfig:
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
+        if not t.full_vocab_metrics and (t.teacher_vocab != "draft" or t.confidence_target != "sampled_restricted"):
+            raise UsageError(f"train.full_vocab_metrics is false, but teacher_vocab {t.teacher_vocab!r} with "
+                             f"confidence_target {t.confidence_target!r} needs the full-vocabulary pass anyway; set "
+                             f"full_vocab_metrics to true, or teacher_vocab to draft and confidence_target to "
+                             f"sampled_restricted.")
         try:
             self.objective()  # validates the loss settings
         except ValueError as e:
@@ -295,7 +304,8 @@ class RunConfig:
         return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
                                loss_weights=dict(t.loss_weights), confidence_weight=t.confidence_weight,
                                decay_gamma=t.decay_gamma, ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements,
-                               teacher_vocab=t.teacher_vocab, confidence_target=t.confidence_target)
+                               teacher_vocab=t.teacher_vocab, confidence_target=t.confidence_target,
+                               full_vocab_metrics=t.full_vocab_metrics)
 
     # -------------------------------------------------------------------------------- saving
     def to_dict(self) -> dict:

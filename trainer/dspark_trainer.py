@@ -18,7 +18,9 @@ state, the run config and the data statistics; a completion marker, written last
 layout and its file names: trainer/checkpoints.py). The verifier is never saved.
 """
 
+import dataclasses
 import json
+import math
 import os
 
 import torch
@@ -101,9 +103,11 @@ class DSparkTrainer(Trainer):
             position_ids=inputs["position_ids"],
             return_logits=False,
         )
+        # Evaluation always reports the full-vocabulary metrics (the best checkpoint is chosen on them).
+        objective = self.objective if model.training else dataclasses.replace(self.objective, full_vocab_metrics=True)
         return dspark_loss(
             self.drafter(model), outputs, inputs["input_ids"], inputs["loss_mask"], inputs["document_ids"], anchors,
-            states.last_hidden_state.to(device), self.source.teacher(), self.objective,
+            states.last_hidden_state.to(device), self.source.teacher(), objective,
             **({"return_blocks": True} if return_blocks else {}),  # the plain call stays the plain signature
         )
 
@@ -156,8 +160,10 @@ class DSparkTrainer(Trainer):
         if "loss" in logs and not any(k.startswith("eval_") for k in logs) and self._train_stats is not None:
             stats = self.accelerator.reduce(self._train_stats.to(self.args.device), reduction="sum")
             metrics = reduce_stats(stats, self.objective.block_size)
+            # The full-vocabulary ones are NaN when train.full_vocab_metrics skipped them: not logged then.
             logs.update({k: round(metrics[k], 4) for k in ("accept_len", "accept_rate", "greedy_accept_len",
-                                                           "draft_vocab_coverage")})
+                                                           "draft_vocab_coverage", "restricted_accept_len")
+                         if math.isfinite(metrics[k])})
             self._train_stats = None
         super().log(logs, start_time)
 

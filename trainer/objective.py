@@ -7,12 +7,19 @@ loss/metric reductions. Training, evaluation and tests all call these functions.
 
 The metrics measure what the verifier would accept, so they need the verifier's probabilities over its
 *full* vocabulary V, not only over the draft vocabulary Vd: per slot, the loss adds a no-gradient pass over
-the full output head for the log-normaliser (and argmax) of the tokens outside Vd.
+the full output head for the log-normaliser (and argmax) of the tokens outside Vd. That pass costs V x H per slot
+(8x the draft head at V = 262,144, Vd = 32,000); `ObjectiveConfig.full_vocab_metrics=False` skips it on training
+batches whose loss does not read it (`needs_full_vocabulary`).
 
-Memory: no `[positions, vocabulary]` fp32 tensor is ever built for more than a chunk. Draft and teacher logits
-are computed chunk by chunk of supervised slots under activation checkpointing, and the full-vocabulary pass
-in chunks of slots x chunks of vocabulary of the same size, so peak memory is `O(chunk_elements)` whatever the
-number of slots and the vocabulary (Vd = 32,000 or V = 262,144 alike).
+Speed and memory: the draft logits are a sum of linear maps (`DSparkDraftModel.logit_terms`), so `_DraftLoss`
+computes, chunk by chunk of supervised slots, the draft and teacher logits once, the loss terms, and the
+gradient of the loss w.r.t. the logits in closed form, which it multiplies straight into the gradients of the
+hidden states, the Markov features and `markov_w2` before the next chunk. The backward is a scaling: nothing
+is recomputed (the activation-checkpointed loss this replaces ran every chunk's forward twice) and no
+`[positions, vocabulary]` tensor outlives its chunk. Chunks hold `chunk_elements // Vd` slots and the
+full-vocabulary pass uses chunks of slots x vocabulary of the same size, so peak memory is `O(chunk_elements)`
+whatever the number of slots and the vocabulary (Vd = 32,000 or V = 262,144 alike). Tests compare the loss,
+every metric and every gradient with float64 autograd over unchunked reference formulas.
 """
 
 import math
@@ -20,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from modeling_dspark import index_within_runs
 
@@ -32,7 +38,9 @@ DEFAULT_TEACHER_VOCAB = "draft"  # the one place the default lives (TrainArgs an
 # The acceptance probability the confidence head predicts, by how the server drafts (vLLM drafts greedily by
 # default, also when the verifier samples): "greedy" = p_full(argmax q) (verifier sampling), "greedy_t0" =
 # 1[argmax q == argmax p_full] (verifier greedy), "sampled" = sum_{Vd} min(p_full, q) (probabilistic drafting).
-CONFIDENCE_TARGETS = ("greedy", "greedy_t0", "sampled")
+# "sampled_restricted" = sum_{Vd} min(p_draft, q), the overlap with the teacher renormalised over the draft
+# vocabulary: speculators 0.9.0's target, and the only one that needs no pass over the verifier's full head.
+CONFIDENCE_TARGETS = ("greedy", "greedy_t0", "sampled", "sampled_restricted")
 DEFAULT_CONFIDENCE_TARGET = "greedy"
 
 
@@ -182,9 +190,14 @@ class ObjectiveConfig:
     confidence_weight: float = 1.0
     decay_gamma: float = 4.0
     ce_target: str = "teacher"  # or "data": x_{p+k+1} when it is in the draft vocabulary
-    chunk_elements: int = 1 << 26  # logits elements per chunk (rows = chunk_elements // vocabulary)
+    chunk_elements: int = 1 << 23  # logits elements per chunk (rows = chunk_elements // vocabulary)
     teacher_vocab: str = DEFAULT_TEACHER_VOCAB  # what CE/TV/KL compare the draft with (TEACHER_VOCABS)
     confidence_target: str = DEFAULT_CONFIDENCE_TARGET  # what the confidence head predicts (CONFIDENCE_TARGETS)
+    # The full-vocabulary metrics (accept_len, greedy, coverage) need a no-gradient pass over the verifier's
+    # whole output head (V x H per slot, 8x the draft head's cost at V = 262,144, Vd = 32,000). False skips it
+    # when the loss does not need it (teacher_vocab "draft" and confidence_target "sampled_restricted"); those
+    # metrics are then NaN. Evaluation always computes them (DSparkTrainer).
+    full_vocab_metrics: bool = True
 
     def __post_init__(self):
         unknown = set(self.loss_weights) - set(LOSS_NAMES)
@@ -200,6 +213,12 @@ class ObjectiveConfig:
         if self.confidence_target not in CONFIDENCE_TARGETS:
             raise ValueError(f"confidence_target must be one of {list(CONFIDENCE_TARGETS)} "
                              f"(got {self.confidence_target!r}).")
+
+
+def needs_full_vocabulary(config: ObjectiveConfig) -> bool:
+    """Whether a batch needs the pass over the verifier's full output head: for the full-vocabulary metrics, a
+    full-vocabulary teacher, or a confidence target that reads `p_full` (all but "sampled_restricted")."""
+    return config.full_vocab_metrics or config.teacher_vocab == "full" or config.confidence_target != "sampled_restricted"
 
 
 def stat_names(block_size: int) -> list[str]:
@@ -218,45 +237,137 @@ def stat_names(block_size: int) -> list[str]:
     return names
 
 
-def _slot_terms(drafter, teacher: Teacher, hidden, previous, normed, data_targets, outside_log_z, outside_max,
-                outside_id, teacher_vocab: str, confidence_target: str):
-    """One chunk of supervised slots: the loss terms (CE vs the teacher argmax or the data token, overlap
-    `sum_{Vd} min(p, q)` and `KL = sum_{Vd} p (log p - log q)` against the training teacher) and, without
-    gradient, `[n, 5]` metrics: full-vocabulary overlap, restricted overlap, greedy agreement with the
-    full-vocabulary argmax, draft-vocabulary coverage and the confidence target."""
-    logits = _upcast(drafter.compute_logits(hidden, previous))
-    log_q = torch.log_softmax(logits, dim=-1)
+class _LossPlan:
+    """Everything the draft-logit loss reads besides the logit terms, for `_DraftLoss` (one batch)."""
+
+    def __init__(self, teacher, head_weight, normed, data_targets, slot_weights, loss_weights, teacher_vocab,
+                 confidence_target, in_draft, full, rows, chunk_elements, vocab_size, draft_to_verifier):
+        self.teacher, self.head_weight, self.normed = teacher, head_weight, normed
+        self.data_targets, self.slot_weights = data_targets, slot_weights
+        self.lw = {name: float(loss_weights.get(name, 0.0)) for name in LOSS_NAMES}
+        self.teacher_vocab, self.confidence_target = teacher_vocab, confidence_target
+        self.in_draft, self.full, self.rows, self.chunk_elements = in_draft, full, rows, chunk_elements
+        self.vocab_size, self.draft_to_verifier = vocab_size, draft_to_verifier
+
+
+def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
+    """One chunk of supervised slots: per-slot CE (to the teacher argmax or the data token), overlap
+    `sum_{Vd} min(p, q)` and `KL = sum_{Vd} p (log p - log q)` against the training teacher, the `[n, 5]` metrics
+    (full-vocabulary overlap, restricted overlap, greedy agreement with the full-vocabulary argmax, draft-vocabulary
+    coverage, confidence target; the three full-vocabulary ones NaN when `plan.full` is off) and, with
+    `want_grad`, the gradient of `sum_i w_i (l_ce ce_i + l_tv (1 - overlap_i) + l_kl kl_i)` w.r.t. the logits,
+    written analytically (`q - onehot`, `q s - q 1[q < p]` with `s = sum_{q < p} q`, `q sum p - p`)."""
+    logits = None
+    for x, weight in terms:
+        part = _upcast(F.linear(x[sl], weight))
+        logits = part if logits is None else logits.add_(part.to(logits.dtype))
+    q_arg = logits.argmax(dim=-1)
+    log_q = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: `logits` is this chunk's own
     q = log_q.exp()
-    with torch.no_grad():
-        t = teacher.head_logits(normed, drafter.lm_head.weight)
-        t_max, t_arg = t.max(dim=-1)
-        log_z_draft = torch.logsumexp(t, dim=-1)
+    n, device, dtype = q.shape[0], q.device, q.dtype
+    t = plan.teacher.head_logits(plan.normed[sl], plan.head_weight)
+    t_max, t_arg = t.max(dim=-1)
+    log_z_draft = torch.logsumexp(t, dim=-1)
+    log_p_draft = t.sub_(log_z_draft.unsqueeze(-1))
+    p_draft = log_p_draft.exp()
+    overlap_draft = torch.minimum(q, p_draft).sum(dim=-1)
+    nan = torch.full((n,), math.nan, device=device, dtype=dtype)
+    log_coverage = p_full = log_p_full = None
+    if plan.full:
+        if plan.in_draft is None:  # the draft vocabulary is all of V: nothing outside it
+            outside_log_z = outside_max = torch.full((n,), -math.inf, device=device, dtype=dtype)
+            outside_id = torch.full((n,), plan.vocab_size, dtype=torch.long, device=device)
+        else:  # no gradient: the full-vocabulary pass is never repeated for the backward
+            outside_log_z, outside_max, outside_id = plan.teacher.outside(plan.normed[sl], plan.in_draft,
+                                                                          plan.chunk_elements)
         log_coverage = log_z_draft - torch.logaddexp(log_z_draft, outside_log_z)  # log sum_{Vd} p_full, <= 0
-        log_p_draft = t - log_z_draft.unsqueeze(-1)
-        del t
-        log_p_full = log_p_draft + log_coverage.unsqueeze(-1)
-        p_draft, p_full = log_p_draft.exp(), log_p_full.exp()
-        q_const = q.detach()
-        q_arg = logits.detach().argmax(dim=-1)
+        p_full = p_draft * log_coverage.exp().unsqueeze(-1)
+        overlap_full = torch.minimum(q, p_full).sum(dim=-1)
         # The verifier's argmax is a draft token iff the best draft logit beats the best outside one (ties: lower id).
-        t_id = drafter.draft_to_verifier_ids(t_arg)
+        t_id = plan.draft_to_verifier(t_arg)
         argmax_in_draft = (t_max > outside_max) | ((t_max == outside_max) & (t_id < outside_id))
-        greedy = ((q_arg == t_arg) & argmax_in_draft).float()
-        overlap_full = torch.minimum(q_const, p_full).sum(dim=-1)
-        overlap_draft = torch.minimum(q_const, p_draft).sum(dim=-1)
-        if confidence_target == "greedy":
-            conf_target = log_p_full.gather(-1, q_arg.unsqueeze(-1)).squeeze(-1).exp()
-        elif confidence_target == "greedy_t0":
-            conf_target = greedy
-        else:
-            conf_target = overlap_full
-        metrics = torch.stack([overlap_full, overlap_draft, greedy, log_coverage.exp(), conf_target], dim=-1)
-    log_p, p = (log_p_full, p_full) if teacher_vocab == "full" else (log_p_draft, p_draft)
+        greedy = ((q_arg == t_arg) & argmax_in_draft).to(dtype)
+        coverage = log_coverage.exp()
+    else:
+        overlap_full = greedy = coverage = nan
+    if plan.confidence_target == "greedy":
+        conf_target = (log_p_draft.gather(-1, q_arg.unsqueeze(-1)).squeeze(-1) + log_coverage).exp()
+    elif plan.confidence_target == "greedy_t0":
+        conf_target = greedy
+    elif plan.confidence_target == "sampled":
+        conf_target = overlap_full
+    else:  # "sampled_restricted"
+        conf_target = overlap_draft
+    metrics = torch.stack([overlap_full, overlap_draft, greedy, coverage, conf_target], dim=-1)
+
+    if plan.teacher_vocab == "full":
+        log_p_full = log_p_draft + log_coverage.unsqueeze(-1)
+        p, log_p, overlap = p_full, log_p_full, overlap_full
+    else:
+        p, log_p, overlap = p_draft, log_p_draft, overlap_draft
+    data_targets = plan.data_targets[sl]
     target = torch.where(data_targets >= 0, data_targets, t_arg)
     ce = -log_q.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    overlap = torch.minimum(q, p).sum(dim=-1)
     kl = (p * (log_p - log_q)).sum(dim=-1)
-    return ce, overlap, kl, metrics
+    del t, log_p_draft, log_p, log_p_full
+    grad = None
+    if want_grad:
+        lw = plan.lw
+        below = q.where(q < p, 0.0)  # q 1[q < p]: the slots' share of the overlap that q controls
+        coef = lw["ce"] + lw["tv"] * below.sum(dim=-1) + lw["kl"] * p.sum(dim=-1)
+        grad = torch.mul(q, coef.unsqueeze(-1), out=log_q)  # log_q is no longer needed: reuse its memory
+        grad.add_(below, alpha=-lw["tv"])
+        del below
+        if lw["kl"]:
+            grad.add_(p, alpha=-lw["kl"])
+        if lw["ce"]:
+            grad[torch.arange(n, device=device), target] -= lw["ce"]
+        grad.mul_(plan.slot_weights[sl].to(dtype).unsqueeze(-1))
+    return ce, overlap, kl, metrics, grad
+
+
+class _DraftLoss(torch.autograd.Function):
+    """`sum_i w_i (l_ce ce_i + l_tv tv_i + l_kl kl_i)` over the supervised slots from the logit terms
+    `sum_j x_j W_j^T` (`DSparkDraftModel.logit_terms`), chunk by chunk of slots.
+
+    The forward writes each chunk's logit gradient straight into the gradients of the terms (`dx_j = g W_j`,
+    `dW_j += g^T x_j`), so the backward only scales them by the incoming gradient: no `[slots, Vd]` tensor is
+    kept, and nothing (draft logits, teacher logits, softmaxes) is recomputed, unlike activation checkpointing,
+    which would run the forward of every chunk twice. The per-slot terms and metrics are returned alongside,
+    without gradient."""
+
+    @staticmethod
+    def forward(ctx, plan: _LossPlan, grad_for: tuple, *flat):
+        terms = list(zip(flat[0::2], flat[1::2]))
+        slots = flat[0].shape[0]
+        want = any(grad_for)
+        grads = [torch.zeros(t.shape, device=t.device, dtype=_upcast(t).dtype) if g else None
+                 for t, g in zip(flat, grad_for)]
+        pieces = []
+        for start in range(0, slots, plan.rows):
+            sl = slice(start, start + plan.rows)
+            ce, overlap, kl, metrics, g = _chunk_terms(plan, terms, sl, want)
+            pieces.append((ce, overlap, kl, metrics))
+            if g is not None:
+                for j, (x, weight) in enumerate(terms):
+                    if grads[2 * j] is not None:
+                        grads[2 * j][sl] = torch.mm(g.to(weight.dtype), weight)
+                    if grads[2 * j + 1] is not None:
+                        grads[2 * j + 1].addmm_(g.t().to(x.dtype), x[sl])
+                del g
+        ce, overlap, kl, metrics = (torch.cat(t) for t in zip(*pieces))
+        lw = plan.lw
+        w = plan.slot_weights.to(ce.dtype)
+        total = (w * (lw["ce"] * ce + lw["tv"] * (1.0 - overlap) + lw["kl"] * kl)).sum()
+        ctx.grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, flat)]
+        ctx.mark_non_differentiable(ce, overlap, kl, metrics)
+        return total, ce, overlap, kl, metrics
+
+    @staticmethod
+    def backward(ctx, grad_total, *unused):
+        grads = [g * grad_total.to(g.dtype) if g is not None else None for g in ctx.grads]
+        ctx.grads = None
+        return (None, None, *grads)
 
 
 def dspark_loss(
@@ -304,35 +415,23 @@ def dspark_loss(
                          "Teacher(norm, softcap, verifier.get_output_embeddings().weight).")
 
     dtype = torch.promote_types(outputs.last_hidden_state.dtype, torch.float32)
-    ce = torch.zeros(S, device=device, dtype=dtype)
-    overlap, kl = torch.zeros_like(ce), torch.zeros_like(ce)
-    metrics = torch.zeros(S, 5, device=device, dtype=dtype)
+    weights = decay_weights(B, config.decay_gamma, device, dtype)[slot]
     vocab = drafter.lm_head.weight.shape[0]
-    chunk = max(1, config.chunk_elements // vocab)
-    pieces = []
-    for start in range(0, S, chunk):
-        sl = slice(start, start + chunk)
-        n = normed[sl].shape[0]
-        if in_draft is None:
-            outside = (torch.full((n,), -math.inf, device=device, dtype=dtype),
-                       torch.full((n,), -math.inf, device=device, dtype=dtype),
-                       torch.full((n,), drafter.config.vocab_size, dtype=torch.long, device=device))
-        else:  # no gradient and outside the checkpoint: the full-vocabulary pass is never recomputed in backward
-            outside = teacher.outside(normed[sl], in_draft, config.chunk_elements)
-        args = (drafter, teacher, hidden[sl], previous[sl], normed[sl], data_targets[sl], *outside,
-                config.teacher_vocab, config.confidence_target)
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_slot_terms, *args, use_reentrant=False))
-        else:
-            pieces.append(_slot_terms(*args))
-    if pieces:
-        ce, overlap, kl, metrics = (torch.cat(t) for t in zip(*pieces))
+    plan = _LossPlan(teacher, drafter.lm_head.weight, normed, data_targets, weights, config.loss_weights,
+                     config.teacher_vocab, config.confidence_target, in_draft,
+                     full=in_draft is None or needs_full_vocabulary(config), rows=max(1, config.chunk_elements // vocab),
+                     chunk_elements=config.chunk_elements, vocab_size=drafter.config.vocab_size,
+                     draft_to_verifier=drafter.draft_to_verifier_ids)
+    if S:
+        flat = [t for pair in drafter.logit_terms(hidden, previous) for t in pair]
+        grad_for = tuple(torch.is_grad_enabled() and t.requires_grad for t in flat)
+        total, ce, overlap, kl, metrics = _DraftLoss.apply(plan, grad_for, *flat)
+    else:
+        total = torch.zeros((), device=device, dtype=dtype)
+        ce = overlap = kl = torch.zeros(0, device=device, dtype=dtype)
+        metrics = torch.zeros(0, 5, device=device, dtype=dtype)
     acceptance, restricted, greedy, coverage, conf_target = metrics.clamp(0.0, 1.0).unbind(-1)
     tv = 1.0 - overlap
-    weights = decay_weights(B, config.decay_gamma, device, ce.dtype)[slot]
-    lw = config.loss_weights
-    per_slot = lw.get("ce", 0.0) * ce + lw.get("tv", 0.0) * tv + lw.get("kl", 0.0) * kl
-    total = (weights * per_slot).sum()
 
     def grid(values: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(rows, n_anchors, B, device=device, dtype=values.dtype)

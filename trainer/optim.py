@@ -20,6 +20,14 @@ to `torch.optim.Muon` (bar one torch quirk: for bf16 parameters without Nesterov
 normalisation also rescales the momentum buffer; here it does not). `DtypeMuon` is a subclass that overrides only `step`: torch itself is not patched, and
 other `torch.optim.Muon` instances in the process are unaffected. Its state dict is `torch.optim.Muon`'s.
 
+Cost. In float32 (and wider), matrices of one shape are orthogonalised as one stack, and where it needs fewer
+multiply-adds (`n > 1.5 m` for a wide `m x n` matrix: the MLP's and `fc`) the iteration runs on the `m x m` Gram
+matrix instead of on X (`orthogonalize_batch`): the same update in exact arithmetic, ~1.6x faster on the MLP
+matrices; against torch's iteration in float64 it differs by ~2e-5 relative (up to 2e-4 on ill-conditioned
+inputs), where torch's own bf16 Muon differs by ~1e-2. The AdamW half uses torch's fused kernel on CPU and
+CUDA: the same update, one pass over each tensor instead of ~7 (0.43 s -> 0.05 s for a [262144, 256] Markov
+table on two CPU cores).
+
 The Trainer accepts a factory through `optimizer_cls_and_kwargs=(MuonAdamWFactory, kwargs)`: it calls the
 factory with the model and gets one `torch.optim.Optimizer` whose `param_groups` are the union of both inner
 optimizers' groups (the same dicts), so the LR scheduler drives both, and whose state dict holds both.
@@ -69,6 +77,49 @@ def zeropower_via_newton_schulz(grad: Tensor, ns_coefficients: tuple[float, floa
     return x.T if tall else x
 
 
+def _newton_schulz_flops(rows: int, cols: int, ns_steps: int) -> tuple[int, int]:
+    """Multiply-add counts of the two equal-in-exact-arithmetic forms for a wide `rows <= cols` matrix: the
+    iteration on X (`X @ X^T`, the polynomial, `poly @ X` per step) and the iteration on the Gram matrix
+    (`A = X X^T` once, then only `rows x rows` products, one final `M @ X`)."""
+    m, n = rows, cols
+    on_x = ns_steps * (2 * m * m * n + m**3)
+    on_gram = 2 * m * m * n + max(0, 4 * ns_steps - 3) * m**3
+    return on_x, on_gram
+
+
+def orthogonalize_batch(updates: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                        eps: float) -> Tensor:
+    """torch's quintic Newton-Schulz for a `[b, m, n]` stack of wide (`m <= n`) matrices, in their dtype (float32
+    or float64: the Gram form below is not for half precision, whose rounding it amplifies).
+
+    Every iterate is `X_k = M_k X_0` with `M_k` a polynomial in `A_0 = X_0 X_0^T`, so the iteration can run on
+    `m x m` matrices: `Q = aI + bA + cA^2`, `M <- Q M`, `A <- Q A Q`, and `X_5 = M_5 X_0` at the end. That is
+    the same update in exact arithmetic; it costs `2 m^2 n + 17 m^3` multiply-adds per matrix at 5 steps
+    instead of `5 (2 m^2 n + m^3)`, fewer whenever `n > 1.5 m` (the draft MLP's 4:1 matrices and `fc`). The
+    form with fewer multiply-adds is used per stack. One batched matmul per product serves every matrix of a
+    shape (the layers' q/o, k/v and gate/up/down matrices share shapes)."""
+    a, b, c = ns_coefficients
+    x = updates / updates.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    m, n = x.shape[-2:]
+    on_x, on_gram = _newton_schulz_flops(m, n, ns_steps)
+    if on_x <= on_gram:
+        for _ in range(ns_steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+        return x
+    eye = torch.eye(m, dtype=x.dtype, device=x.device).expand_as(x[:, :, :m])
+    gram = x @ x.mT
+    product = None
+    for step in range(ns_steps):
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).add_(eye, alpha=a)  # aI + bA + cA^2
+        product = poly if product is None else poly @ product
+        if step + 1 < ns_steps:
+            gram = poly @ gram @ poly
+            gram = (gram + gram.mT).mul_(0.5)  # symmetric in exact arithmetic; keep it so in floating point
+    return product @ x
+
+
 def _adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """torch's Muon learning-rate adjustment for an [A, B] matrix."""
     rows, cols = shape[:2]
@@ -108,17 +159,35 @@ class DtypeMuon(torch.optim.Muon):
             lr = group["lr"]
             lr = lr.item() if isinstance(lr, Tensor) else lr
             weight_decay, momentum = group["weight_decay"], group["momentum"]
+            # Half precision: torch's own per-matrix iteration (bit-identical to torch.optim.Muon). float32 and
+            # wider: matrices of one shape are stacked and orthogonalised together (`orthogonalize_batch`).
+            stacks: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
             for param, grad, buf in zip(params, grads, bufs):
                 if grad.ndim != 2:
                     raise ValueError("Param gradient must be a 2D matrix")
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = zeropower_via_newton_schulz(
-                    update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                    newton_schulz_dtype_for(self.newton_schulz_dtype, param.device))
-                param.mul_(1 - lr * weight_decay)
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                dtype = newton_schulz_dtype_for(self.newton_schulz_dtype, param.device)
+                if torch.finfo(dtype).bits < 32:
+                    update = zeropower_via_newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
+                                                         group["eps"], dtype)
+                    self._apply(param, update, lr, weight_decay, group["adjust_lr_fn"])
+                    continue
+                wide = update.mT if update.shape[0] > update.shape[1] else update
+                stacks.setdefault((tuple(wide.shape), dtype, param.device), []).append((param, update))
+            for (_, dtype, _), members in stacks.items():
+                wide = torch.stack([(u.mT if u.shape[0] > u.shape[1] else u).to(dtype) for _, u in members])
+                ortho = orthogonalize_batch(wide, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                for (param, update), o in zip(members, ortho):
+                    self._apply(param, o.mT if update.shape[0] > update.shape[1] else o, lr, weight_decay,
+                                group["adjust_lr_fn"])
         return loss
+
+    @staticmethod
+    def _apply(param: Tensor, ortho: Tensor, lr: float, weight_decay: float, adjust_lr_fn) -> None:
+        """Decoupled weight decay, then the orthogonalised step scaled by torch's learning-rate adjustment."""
+        param.mul_(1 - lr * weight_decay)
+        param.add_(ortho, alpha=-_adjust_lr(lr, adjust_lr_fn, param.shape))
 
 
 def muon_parameter_names(model: nn.Module) -> list[str]:
@@ -159,7 +228,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             # Norm gains and biases (1-D) are not decayed; the Markov factors and the confidence projection are.
             groups = [{"params": [p for p in adamw_params if p.ndim >= 2], "weight_decay": weight_decay},
                       {"params": [p for p in adamw_params if p.ndim < 2], "weight_decay": 0.0}]
-            self.optimizers.append(torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps))
+            # The fused kernel (one pass per tensor instead of ~7): the same update, ~9x faster on the [V, r]
+            # Markov table on CPU; other devices keep torch's default implementation.
+            fused = all(p.device.type in ("cpu", "cuda") for p in adamw_params) or None
+            self.optimizers.append(torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                                                     fused=fused))
         super().__init__([p for _, p in named], {"lr": lr})
         # Share the inner optimizers' group dicts, so schedulers and the Trainer see and set real values.
         self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
