@@ -745,11 +745,16 @@ class DSparkDraftingMixin:
             proposal = self.draft(context, token, cache=draft_cache, temperature=temperature, top_k=top_k,
                                   top_p=top_p, generator=generator)
             drafts = proposal.token_ids.to(device)
-            q = torch.zeros(block, vocab, device=device).index_copy_(1, draft_ids, proposal.probs.to(device))
             step_ids = torch.cat([token.view(1).to(device), drafts]).unsqueeze(0)
             with capture:
                 out = verifier(input_ids=step_ids, past_key_values=cache, use_cache=True)
-            accepted, token = speculative_accept(distribution(out.logits[0]), q, drafts, generator)
+            if temperature <= 0:  # one-hot p and q: speculative sampling is the longest run of exact matches
+                targets = out.logits[0, :, :vocab].argmax(-1)
+                accepted = int((drafts == targets[:block]).long().cumprod(0).sum())
+                token = targets[accepted]
+            else:
+                q = torch.zeros(block, vocab, device=device).index_copy_(1, draft_ids, proposal.probs.to(device))
+                accepted, token = speculative_accept(distribution(out.logits[0]), q, drafts, generator)
             cache.crop(-(block - accepted))  # forget the rejected drafts' keys and values
             context = capture.aux_hidden_states[0, : accepted + 1]  # states of `token`'s predecessors, now verified
             committed.append(accepted + 1)

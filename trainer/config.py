@@ -114,7 +114,7 @@ class TrainArgs:
     confidence_weight: float = 1.0
     decay_gamma: float = 4.0
     ce_target: str = "teacher"
-    loss_chunk_elements: int = 1 << 23  # logits elements per chunk of the loss: its memory budget
+    loss_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS  # logits elements per chunk of the loss (its memory budget)
     # What CE/TV/KL compare the draft with: draft = the verifier's distribution renormalised over the draft
     # vocabulary; full = its full-vocabulary probabilities of the draft tokens (the mass outside stays lost).
     teacher_vocab: str = DEFAULT_TEACHER_VOCAB

@@ -16,7 +16,7 @@ computes, chunk by chunk of supervised slots, the draft and teacher logits once,
 gradient of the loss w.r.t. the logits in closed form, which it multiplies straight into the gradients of the
 hidden states, the Markov features and `markov_w2` before the next chunk. The backward is a scaling: nothing
 is recomputed (the activation-checkpointed loss this replaces ran every chunk's forward twice) and no
-`[positions, vocabulary]` tensor outlives its chunk. Chunks hold `chunk_elements // Vd` slots and the
+`[positions, vocabulary]` tensor outlives its chunk. Chunks hold `chunk_rows(chunk_elements, Vd)` slots and the
 full-vocabulary pass uses chunks of slots x vocabulary of the same size, so peak memory is `O(chunk_elements)`
 whatever the number of slots and the vocabulary (Vd = 32,000 or V = 262,144 alike). Tests compare the loss,
 every metric and every gradient with float64 autograd over unchunked reference formulas.
@@ -42,6 +42,8 @@ DEFAULT_TEACHER_VOCAB = "draft"  # the one place the default lives (TrainArgs an
 # vocabulary: speculators 0.9.0's target, and the only one that needs no pass over the verifier's full head.
 CONFIDENCE_TARGETS = ("greedy", "greedy_t0", "sampled", "sampled_restricted")
 DEFAULT_CONFIDENCE_TARGET = "greedy"
+# Logits elements per loss chunk (16 MiB in fp32): ~1/10 of a naive loss's memory at 4,096 slots and Vd = 32,000.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
 # ------------------------------------------------------------------------------------------------ anchors
@@ -190,7 +192,8 @@ class ObjectiveConfig:
     confidence_weight: float = 1.0
     decay_gamma: float = 4.0
     ce_target: str = "teacher"  # or "data": x_{p+k+1} when it is in the draft vocabulary
-    chunk_elements: int = 1 << 23  # logits elements per chunk (rows = chunk_elements // vocabulary)
+    # Logits elements per chunk of slots, the loss's memory budget (rows: `chunk_rows`).
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     teacher_vocab: str = DEFAULT_TEACHER_VOCAB  # what CE/TV/KL compare the draft with (TEACHER_VOCABS)
     confidence_target: str = DEFAULT_CONFIDENCE_TARGET  # what the confidence head predicts (CONFIDENCE_TARGETS)
     # The full-vocabulary metrics (accept_len, greedy, coverage) need a no-gradient pass over the verifier's
@@ -213,6 +216,18 @@ class ObjectiveConfig:
         if self.confidence_target not in CONFIDENCE_TARGETS:
             raise ValueError(f"confidence_target must be one of {list(CONFIDENCE_TARGETS)} "
                              f"(got {self.confidence_target!r}).")
+
+
+# Below this many slots per chunk, the logit matmuls over a large head are bound by reading the head's weights
+# (each chunk reads the [Vd, H] head three times), not by arithmetic.
+MIN_CHUNK_ROWS = 64
+
+
+def chunk_rows(chunk_elements: int, vocab: int) -> int:
+    """Supervised slots per loss chunk: the memory budget over the draft vocabulary, at least `MIN_CHUNK_ROWS`
+    (tests pass tiny budgets to force one slot per chunk: a budget below one row is taken literally)."""
+    rows = chunk_elements // vocab
+    return max(1, rows) if chunk_elements < vocab else max(rows, MIN_CHUNK_ROWS)
 
 
 def needs_full_vocabulary(config: ObjectiveConfig) -> bool:
@@ -353,7 +368,8 @@ class _DraftLoss(torch.autograd.Function):
                     if grads[2 * j] is not None:
                         grads[2 * j][sl] = torch.mm(g.to(weight.dtype), weight)
                     if grads[2 * j + 1] is not None:
-                        grads[2 * j + 1].addmm_(g.t().to(x.dtype), x[sl])
+                        buffer = grads[2 * j + 1]  # at least fp32, also for bf16 weights
+                        buffer.addmm_(g.t().to(buffer.dtype), x[sl].to(buffer.dtype))
                 del g
         ce, overlap, kl, metrics = (torch.cat(t) for t in zip(*pieces))
         lw = plan.lw
@@ -419,7 +435,7 @@ def dspark_loss(
     vocab = drafter.lm_head.weight.shape[0]
     plan = _LossPlan(teacher, drafter.lm_head.weight, normed, data_targets, weights, config.loss_weights,
                      config.teacher_vocab, config.confidence_target, in_draft,
-                     full=in_draft is None or needs_full_vocabulary(config), rows=max(1, config.chunk_elements // vocab),
+                     full=in_draft is None or needs_full_vocabulary(config), rows=chunk_rows(config.chunk_elements, vocab),
                      chunk_elements=config.chunk_elements, vocab_size=drafter.config.vocab_size,
                      draft_to_verifier=drafter.draft_to_verifier_ids)
     if S:
