@@ -23,7 +23,7 @@ import yaml
 from configuration_dspark import ARCHITECTURE_KEYS
 from trainer.checkpoints import RUN_CONFIG_FILE
 from trainer.errors import UsageError
-from trainer.objective import DEFAULT_CONFIDENCE_TARGET, DEFAULT_TEACHER_VOCAB
+from trainer.objective import DEFAULT_CHUNK_ELEMENTS, DEFAULT_CONFIDENCE_TARGET, DEFAULT_TEACHER_VOCAB
 
 SECTIONS = ("model", "data", "train")
 
