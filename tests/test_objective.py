@@ -429,3 +429,21 @@ def test_a_batch_without_supervised_slots_gives_a_zero_loss_with_gradients(gemma
     loss.backward()
     assert loss.item() == 0.0 and reduce_stats(stats, 4)["supervised_slots"] == 0
     assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters() if p.requires_grad)
+
+
+def test_the_loss_backward_runs_once_and_scales_with_the_incoming_gradient(gemma4_verifier):
+    """The closed-form gradients are computed in the forward and scaled by the incoming gradient (gradient
+    accumulation and loss scaling multiply the loss); a second backward through the same graph is refused."""
+    drafter = tiny_drafter(gemma4_verifier).train()
+    ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter, seed=5)
+    cfg = ObjectiveConfig(block_size=drafter.block_size, confidence_weight=0.0)
+    grads = []
+    for scale in (1.0, 0.25):
+        drafter.zero_grad()
+        out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+        loss, _ = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last, teacher_of(gemma4_verifier), cfg)
+        (loss * scale).backward(retain_graph=True)
+        grads.append(drafter.markov_head.markov_w2.weight.grad.clone())
+        with pytest.raises(RuntimeError, match="backpropagated twice"):
+            loss.backward()
+    assert grads[0].abs().max() > 0 and torch.allclose(grads[1], 0.25 * grads[0], rtol=1e-6, atol=1e-12)

@@ -381,7 +381,12 @@ class _DraftLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, *unused):
-        grads = [g * grad_total.to(g.dtype) if g is not None else None for g in ctx.grads]
+        if ctx.grads is None:
+            raise RuntimeError("the DSpark loss was backpropagated twice; its gradients are computed once in the "
+                               "forward and released by the first backward, so call the loss again instead of "
+                               "retain_graph=True.")
+        # Scaled in place: the stored gradients are this backward's alone, so no second [Vd, r] copy is made.
+        grads = [g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in ctx.grads]
         ctx.grads = None
         return (None, None, *grads)
 
