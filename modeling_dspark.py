@@ -474,6 +474,9 @@ class DSparkDraftOutput(ModelOutput):
         confidence_logits: `[R, N, B]` confidence-head logits (None when the head is disabled).
         previous_token_ids: `[R, N, B]` verifier ids conditioning each slot (teacher forcing: `x[p+k]`).
         anchor_mask: `[R, N]` True for real anchors (False for padding blocks).
+        previous_features: `[R, N, B, r]` Markov features `markov_w1[previous_token_ids]` (None without a Markov
+            head), looked up once and read by the logits and the confidence head, so their gradients reach the
+            `[V, r]` table through one lookup (one dense `[V, r]` gradient in the backward, not one per reader).
     """
 
     logits: torch.Tensor | None = None
@@ -481,6 +484,7 @@ class DSparkDraftOutput(ModelOutput):
     confidence_logits: torch.Tensor | None = None
     previous_token_ids: torch.Tensor | None = None
     anchor_mask: torch.Tensor | None = None
+    previous_features: torch.Tensor | None = None
 
 
 @dataclass
@@ -940,35 +944,43 @@ class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
         return None  # shared with the verifier at run time, never part of this model
 
     # ------------------------------------------------------------------ heads (shared by training and drafting)
-    def logit_terms(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor):
+    def logit_terms(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor,
+                    previous_features: torch.Tensor | None = None):
         """The draft logits as a sum of linear maps, `sum_i x_i @ W_i^T`: `(h, lm_head.weight)` and, with a
         Markov head, `(markov_w1[prev], markov_w2.weight)`. Each `x_i` is cast to its `W_i`'s dtype. The training
         loss reads this form to write the gradients of its logits straight into `x_i` and `W_i`
-        (trainer/objective.py), so it never keeps or recomputes a `[slots, Vd]` tensor for the backward."""
+        (trainer/objective.py), so it never keeps or recomputes a `[slots, Vd]` tensor for the backward.
+        `previous_features` are `markov_w1[previous_token_ids]` when the caller already looked them up."""
         head = self.lm_head.weight
         terms = [(hidden_states.to(head.dtype), head)]
         if self.markov_head is not None:
             w2 = self.markov_head.markov_w2.weight
-            terms.append((self.markov_head.previous_features(previous_token_ids).to(w2.dtype), w2))
+            if previous_features is None:
+                previous_features = self.markov_head.previous_features(previous_token_ids)
+            terms.append((previous_features.to(w2.dtype), w2))
         return terms
 
-    def compute_logits(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor,
+                       previous_features: torch.Tensor | None = None) -> torch.Tensor:
         """Markov-corrected draft logits `lm_head(h) + markov_w2(markov_w1[prev])` (prev in verifier ids): the sum
         of `logit_terms`."""
-        (x, head), *rest = self.logit_terms(hidden_states, previous_token_ids)
+        (x, head), *rest = self.logit_terms(hidden_states, previous_token_ids, previous_features)
         logits = F.linear(x, head)
         for features, weight in rest:
             logits = logits + F.linear(features, weight).to(logits.dtype)
         return logits
 
-    def compute_confidence(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor) -> torch.Tensor | None:
-        """Confidence logits from `[h ; markov_w1[prev]]` (or `h` alone), None when the head is disabled."""
+    def compute_confidence(self, hidden_states: torch.Tensor, previous_token_ids: torch.Tensor,
+                           previous_features: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Confidence logits from `[h ; markov_w1[prev]]` (or `h` alone), None when the head is disabled;
+        `previous_features` are `markov_w1[prev]` when the caller already looked them up."""
         if self.confidence_head is None:
             return None
         features = hidden_states
         if self.config.confidence_head_with_markov:
-            previous = self.markov_head.previous_features(previous_token_ids).to(hidden_states.dtype)
-            features = torch.cat([hidden_states, previous], dim=-1)
+            if previous_features is None:
+                previous_features = self.markov_head.previous_features(previous_token_ids)
+            features = torch.cat([hidden_states, previous_features.to(hidden_states.dtype)], dim=-1)
         return self.confidence_head(features)
 
     # ------------------------------------------------------------------ backbone
@@ -1068,12 +1080,14 @@ class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
         )
         hidden = self._run_layers(block_embeds, block_positions.view(rows, -1), context_kv, masks)
         hidden = hidden.view(rows, n_anchors, block, -1)
+        features = self.markov_head.previous_features(previous) if self.markov_head is not None else None
         return DSparkDraftOutput(
-            logits=self.compute_logits(hidden, previous) if return_logits else None,
+            logits=self.compute_logits(hidden, previous, features) if return_logits else None,
             last_hidden_state=hidden,
-            confidence_logits=self.compute_confidence(hidden, previous),
+            confidence_logits=self.compute_confidence(hidden, previous, features),
             previous_token_ids=previous,
             anchor_mask=valid,
+            previous_features=features,
         )
 
 

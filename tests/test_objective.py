@@ -231,8 +231,8 @@ def agreeing_drafter(verifier, ids, last, anchors):
         bonus[d, prev] = 40.0
     plain = drafter.logit_terms
 
-    def logit_terms(hidden, previous):
-        return [*plain(hidden, previous), (F.one_hot(previous, VOCAB).to(bonus.dtype), bonus)]
+    def logit_terms(hidden, previous, previous_features=None):
+        return [*plain(hidden, previous, previous_features), (F.one_hot(previous, VOCAB).to(bonus.dtype), bonus)]
 
     drafter.logit_terms = logit_terms
     return drafter
@@ -447,3 +447,21 @@ def test_the_loss_backward_runs_once_and_scales_with_the_incoming_gradient(gemma
         with pytest.raises(RuntimeError, match="backpropagated twice"):
             loss.backward()
     assert grads[0].abs().max() > 0 and torch.allclose(grads[1], 0.25 * grads[0], rtol=1e-6, atol=1e-12)
+
+
+def test_one_markov_lookup_feeds_the_logits_and_the_confidence_head(gemma4_verifier):
+    """The training forward looks `markov_w1` up once; the loss's logits and the confidence head both read that
+    tensor, so the backward builds one dense [V, r] gradient, not two (256 MiB each at Gemma's vocabulary)."""
+    drafter = tiny_drafter(gemma4_verifier).train()
+    ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter, seed=6)
+    lookups = []
+    handle = drafter.markov_head.markov_w1.register_forward_hook(lambda *a: lookups.append(1))
+    try:
+        out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+        loss, _ = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last, teacher_of(gemma4_verifier),
+                              ObjectiveConfig(block_size=drafter.block_size))
+    finally:
+        handle.remove()
+    assert len(lookups) == 1 and out.previous_features.shape == (*out.previous_token_ids.shape, 16)
+    loss.backward()
+    assert drafter.markov_head.markov_w1.weight.grad.abs().sum() > 0

@@ -265,6 +265,11 @@ class _LossPlan:
         self.vocab_size, self.draft_to_verifier = vocab_size, draft_to_verifier
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`(a * b).sum(-1)` for `[n, V]` rows as a batched matmul, which allocates no `[n, V]` product."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
     """One chunk of supervised slots: per-slot CE (to the teacher argmax or the data token), overlap
     `sum_{Vd} min(p, q)` and `KL = sum_{Vd} p (log p - log q)` against the training teacher, the `[n, 5]` metrics
@@ -323,7 +328,7 @@ def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
     data_targets = plan.data_targets[sl]
     target = torch.where(data_targets >= 0, data_targets, t_arg)
     ce = -log_q.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    kl = (p * (log_p - log_q)).sum(dim=-1)
+    kl = _rowdot(p, log_p) - _rowdot(p, log_q)  # sum p (log p - log q), without two more [n, Vd] temporaries
     del t, log_p_draft, log_p, log_p_full
     grad = None
     if want_grad:
@@ -444,7 +449,8 @@ def dspark_loss(
                      chunk_elements=config.chunk_elements, vocab_size=drafter.config.vocab_size,
                      draft_to_verifier=drafter.draft_to_verifier_ids)
     if S:
-        flat = [t for pair in drafter.logit_terms(hidden, previous) for t in pair]
+        features = outputs.previous_features[idx] if outputs.previous_features is not None else None
+        flat = [t for pair in drafter.logit_terms(hidden, previous, features) for t in pair]
         grad_for = tuple(torch.is_grad_enabled() and t.requires_grad for t in flat)
         total, ce, overlap, kl, metrics = _DraftLoss.apply(plan, grad_for, *flat)
     else:

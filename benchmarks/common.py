@@ -1,0 +1,248 @@
+"""Helpers shared by the benchmarks (stdlib and torch only, so both `.venv` and `.venv-speculators` import them).
+
+* memory: `rss_bytes`, `peak_rss_bytes`, `reset_peak_rss` (Linux `/proc/self`; the peak is `VmHWM`, reset by
+  writing `5` to `/proc/self/clear_refs`), `trim_malloc` (glibc `malloc_trim(0)`, so a baseline taken after it
+  counts live memory, not freed blocks the allocator kept);
+* timing: `summary` (median/min/max/mean of a list), `train_steps` (warm-up + timed training steps split into
+  forward / backward / optimizer, with the peak-RSS delta over the RSS just before the timed steps and the FLOPs
+  of one extra step);
+* `matmul_peak_gflops` (best of several 2048x2048 fp32 matmuls with torch's default threads), `count_flops`
+  (`torch.utils.flop_counter.FlopCounterMode`: matmuls, convolutions and attention only, no elementwise work);
+* `machine` (CPU model, cores, torch version and CPU capability) and `write_json` (atomic).
+"""
+
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class BenchmarkError(Exception):
+    """Bad input or a missing prerequisite: reported as one `error: ...` line, exit status 2."""
+
+
+def fail(message: str, status: int = 2) -> None:
+    """Print `error: <message>` on stderr and exit."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    """Current resident set size (`VmRSS`), None where /proc is unavailable."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size since the process started or since `reset_peak_rss` (`VmHWM`)."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset `VmHWM` to the current RSS (Linux >= 4.0); False when the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def trim_malloc() -> None:
+    """Return freed heap memory to the OS (glibc only; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def summary(values: list[float]) -> dict:
+    """Median, min, max and mean of `values` (all None for an empty list)."""
+    if not values:
+        return {"n": 0, "median": None, "min": None, "max": None, "mean": None}
+    return {"n": len(values), "median": statistics.median(values), "min": min(values), "max": max(values),
+            "mean": statistics.fmean(values)}
+
+
+# ------------------------------------------------------------------------------------------------ compute
+def matmul_peak_gflops(n: int = 2048, repeats: int = 7) -> dict:
+    """GFLOP/s of an `n x n` fp32 matmul with torch's default threads: best of `repeats` after one warm-up."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return {"n": n, "repeats": repeats, "threads": torch.get_num_threads(), "best_s": best,
+            "gflops": 2.0 * n**3 / best / 1e9}
+
+
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for the CPU flash-attention kernels sdpa dispatches to (torch's counter knows only the
+    CUDA ones), with torch's own sdpa counts: dense masks are computed in full, so every score is real work."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    formulas = {}
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", forward),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", backward)):
+        op = getattr(aten, name, None)
+        if op is not None:
+            formulas[op] = formula
+    return formulas
+
+
+def count_flops(fn: Callable[[], object]) -> tuple[object, int]:
+    """Run `fn()` under `FlopCounterMode` (plus the CPU attention kernels) and return (its result, the FLOPs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter:
+        result = fn()
+    return result, int(counter.get_total_flops())
+
+
+def train_steps(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
+                optimizer_step: Callable[[], None], warmup: int = 2, steps: int = 5, flops: bool = True) -> dict:
+    """Time `warmup` + `steps` training steps, each split into `forward()` (returns the loss), `backward(loss)`
+    and `optimizer_step()`; then, optionally, count the FLOPs of one more step, phase by phase.
+
+    The peak RSS is reset just before the timed steps (after the warm-up, a garbage collection and a malloc
+    trim), so `peak_rss_delta_bytes` is what the timed steps need on top of the model, its optimizer state and
+    the inputs. `losses[0]` is the loss of the very first step (the fresh, identical weights)."""
+    losses: list[float] = []
+    timed: list[dict] = []
+
+    def one_step() -> dict:
+        t0 = time.perf_counter()
+        loss = forward()
+        t1 = time.perf_counter()
+        backward(loss)
+        t2 = time.perf_counter()
+        optimizer_step()
+        t3 = time.perf_counter()
+        losses.append(float(loss.detach()))
+        return {"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2, "total_s": t3 - t0}
+
+    warm = [one_step() for _ in range(warmup)]
+    gc.collect()
+    trim_malloc()
+    peak_reset = reset_peak_rss()
+    baseline = rss_bytes()
+    load_before = os.getloadavg()[0]
+    cpu_before, wall_before = _cpu_seconds(), time.perf_counter()
+    for _ in range(steps):
+        timed.append(one_step())
+    peak = peak_rss_bytes()
+    cpu_seconds, wall = _cpu_seconds() - cpu_before, time.perf_counter() - wall_before
+    report = {
+        "warmup_steps": warm,
+        "steps": timed,
+        "losses": losses,
+        "loss_first_step": losses[0] if losses else None,
+        "rss_before_timed_bytes": baseline,
+        "peak_rss_bytes": peak,
+        "peak_rss_delta_bytes": (peak - baseline) if peak_reset and peak is not None and baseline else None,
+        "peak_rss_reset": peak_reset,
+        # Contention check on a shared machine: the 1-minute load average around the timed steps (this process
+        # alone counts about its thread count) and the CPU time it got per second of wall time.
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+        "cpu_utilization": cpu_seconds / wall if wall > 0 else None,
+        "threads": torch.get_num_threads(),
+    }
+    for phase in ("forward_s", "backward_s", "optimizer_s", "total_s"):
+        report[phase] = summary([s[phase] for s in timed])
+    if flops:
+        loss, f_forward = count_flops(forward)
+        _, f_backward = count_flops(lambda: backward(loss))
+        _, f_optimizer = count_flops(optimizer_step)
+        report["flops"] = {"forward": f_forward, "backward": f_backward, "optimizer": f_optimizer,
+                           "total": f_forward + f_backward + f_optimizer,
+                           "counted": "FlopCounterMode: matmuls, convolutions and attention (no elementwise work)"}
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ machine
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """The machine and software a result was measured on."""
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write `obj` as indented JSON, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)

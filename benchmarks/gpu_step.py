@@ -1,0 +1,448 @@
+"""One training step of the seed recipe's drafter on a GPU: step time, tokens/s, peak CUDA memory and MFU.
+
+    python -m benchmarks.gpu_step --json OUT [--steps 5] [--warmup 3] [--bf16-weights] [--attn flex_attention]
+    python -m benchmarks.gpu_step --cpu-smoke [--json OUT]        # tiny fp32/sdpa shapes on the CPU
+    python -m benchmarks.gpu_step --json OUT --set confidence_target sampled_restricted --set full_vocab_metrics false
+
+The drafter is configs/gemma-4-E4B-it.yaml's (read through `trainer.config.RunConfig`: hidden 2560, 4 Qwen3-style
+layers (3 sliding with window 2048 + 1 full), V = 262,144, Vd = 32,000, block 8, Markov rank 256, confidence head,
+aux layers [2, 10, 20, 30, 40]) for google/gemma-4-E4B-it's text config (scripts/seed_checkpoint.py; no
+download), with random weights. The verifier is synthetic: its tied embedding/output head `[V, H]` in bf16 (what
+`attach_verifier` shares; Gemma 4 ties them), its final norm and softcap 30; no verifier forward runs, its states
+are random bf16 tensors, so the step is the drafter's alone: `sample_anchors` (512 anchors), the drafter's
+`forward`, `dspark_loss` with the recipe's objective (`RunConfig.objective()`), backward, gradient clipping
+(max_grad_norm) and our `MuonWithAdamW` (Muon with bf16 Newton-Schulz on CUDA, AdamW for the rest).
+
+One packed row of T = 4096 tokens, one document whose first 512 tokens are the prompt (unsupervised).
+
+Precision: by default fp32 master weights under `torch.autocast("cuda", bfloat16)`, which is what the HF Trainer
+does with `bf16=True` (the recipe's `bf16: auto` on a GPU); `--bf16-weights` casts the drafter itself to bf16
+instead (weights, gradients and optimizer state in bf16). Attention: flex attention (the trainer's GPU default).
+
+FLOPs: `torch.utils.flop_counter.FlopCounterMode` over one extra step, optimizer included (matmuls and attention
+only; elementwise work is not counted). Attention is counted dense (every query against every key, as the
+counter's flex and sdpa formulas do); the mask-aware figure scales the attention FLOPs by the share of
+(query, key) pairs the DSpark mask keeps. MFU = FLOPs per step / step time / 790 TFLOP/s (dense bf16 peak).
+
+Without CUDA it stops at once with `error: ...`, unless `--cpu-smoke`, which runs the same code path on tiny
+shapes in fp32 with sdpa (flex attention's CPU backward is not supported) to check everything but the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+RECIPE = os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml")
+PEAK_FLOPS = 790e12
+CONTEXT_TOKENS = 4096
+PROMPT_TOKENS = 512
+SMOKE = dict(tokens=128, prompt=16, max_anchors=16, vocab=1024, draft_vocab=256, hidden=64, layers=6,
+             drafter=dict(num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=24,
+                          block_size=8, aux_hidden_state_layer_ids=[1, 2, 3, 4, 5], draft_vocab_size=256,
+                          markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True))
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:.4g}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def print_table(rows: list[list]) -> None:
+    cells = [[str(r[0]), fmt(r[1]), str(r[2]), str(r[3])] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)] if cells else [0, 0, 0]
+    for c in cells:
+        print(f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]}")
+
+
+def cli(main) -> None:
+    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback)."""
+    debug = "--debug" in sys.argv or os.environ.get("DSPARK_DEBUG") == "1"
+    if "--debug" in sys.argv:
+        sys.argv.remove("--debug")
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the contract is one line for every failure
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}", file=sys.stderr)
+        sys.exit(1)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def verifier_config(smoke: bool):
+    """google/gemma-4-E4B-it's text stack as a config (scripts/seed_checkpoint.py), or a tiny Gemma 4 one."""
+    if not smoke:
+        scripts = os.path.join(ROOT, "scripts")
+        if scripts not in sys.path:
+            sys.path.insert(0, scripts)
+        from seed_checkpoint import gemma4_e4b_config
+
+        return gemma4_e4b_config()
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    layers = SMOKE["layers"]
+    text = Gemma4TextConfig(
+        vocab_size=SMOKE["vocab"], hidden_size=SMOKE["hidden"], intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=16,
+        vocab_size_per_layer_input=SMOKE["vocab"], hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+        sliding_window=16, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * (layers // 3),
+        final_logit_softcapping=30.0, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return Gemma4Config(text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=True)
+
+
+class SyntheticVerifier:
+    """What a drafter and the loss read from the verifier, with random weights: the config, a decoder with
+    `.layers` (placeholders, never run) and the final `.norm`, and the tied input/output embedding."""
+
+    def __init__(self, config, device, dtype):
+        import torch
+        from torch import nn
+
+        text = config.get_text_config()
+        self.config = config
+        self.embedding = nn.Embedding(text.vocab_size, text.hidden_size, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.embedding.weight.normal_(0.0, 2.0 / math.sqrt(text.hidden_size))
+        self.embedding.requires_grad_(False)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(nn.Identity() for _ in range(text.num_hidden_layers))
+        self.decoder.norm = nn.RMSNorm(text.hidden_size, eps=getattr(text, "rms_norm_eps", 1e-6), device=device,
+                                       dtype=dtype)
+        self.decoder.requires_grad_(False)
+
+    def get_decoder(self):
+        return self.decoder
+
+    def get_input_embeddings(self):
+        return self.embedding
+
+    def get_output_embeddings(self):
+        return self.embedding  # tied, as Gemma 4's
+
+
+def build(smoke: bool, device, bf16_weights: bool, attn: str, overrides_argv: list[str]):
+    import torch
+
+    from configuration_dspark import DSparkConfig
+    from modeling_dspark import DSparkDraftModel
+    from trainer.config import RunConfig
+    from trainer.objective import Teacher
+    from trainer.optim import MuonAdamWFactory
+
+    run = RunConfig.load(RECIPE, overrides_argv)
+    vcfg = verifier_config(smoke)
+    overrides = dict(SMOKE["drafter"]) if smoke else run.model.architecture_overrides()
+    config = DSparkConfig.from_verifier(vcfg, verifier_name_or_path=run.model.verifier_id or run.model.verifier,
+                                        **overrides)
+    verifier_dtype = torch.float32 if smoke else torch.bfloat16  # the trainer loads the verifier in bf16 on a GPU
+    verifier = SyntheticVerifier(vcfg, device, verifier_dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        drafter = DSparkDraftModel(config)
+    if config.uses_draft_vocab:
+        g = torch.Generator().manual_seed(0)
+        drafter.set_draft_vocab(torch.randperm(config.vocab_size, generator=g)[: config.draft_vocab_size].sort().values)
+    drafter.attach_verifier(verifier)
+    if bf16_weights:
+        drafter.to(torch.bfloat16)
+    drafter.config._attn_implementation = attn
+    drafter.train()
+    text = vcfg.get_text_config()
+    teacher = Teacher(verifier.decoder.norm, getattr(text, "final_logit_softcapping", None), verifier.embedding.weight)
+    t = run.train
+    optimizer = MuonAdamWFactory()(drafter, lr=t.learning_rate, muon_lr=t.muon_learning_rate,
+                                   weight_decay=t.weight_decay, muon_weight_decay=t.muon_weight_decay)
+    objective = run.objective(block_size=config.block_size)
+    if smoke:
+        objective.max_anchors = SMOKE["max_anchors"]
+    return drafter, verifier, teacher, optimizer, objective, run
+
+
+def synthetic_batch(drafter, verifier, device, smoke: bool, seed: int = 0):
+    """One packed row: a single document of T tokens whose first `prompt` tokens are unsupervised, random
+    token ids and random bf16 (fp32 in the smoke) verifier states."""
+    import torch
+
+    from modeling_dspark import positions_from_document_ids
+
+    tokens = SMOKE["tokens"] if smoke else CONTEXT_TOKENS
+    prompt = SMOKE["prompt"] if smoke else PROMPT_TOKENS
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(seed)
+    dtype = verifier.embedding.weight.dtype
+    input_ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=g)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, :prompt] = 0
+    document_ids = torch.zeros_like(input_ids)
+    hidden = cfg.target_hidden_size or cfg.hidden_size
+    aux = torch.randn(1, tokens, cfg.aux_input_size, generator=g).to(dtype)
+    last = (torch.randn(1, tokens, hidden, generator=g) * 3.0).to(dtype)
+    batch = dict(input_ids=input_ids, loss_mask=loss_mask, document_ids=document_ids,
+                 position_ids=positions_from_document_ids(document_ids), aux_hidden_states=aux,
+                 last_hidden_state=last)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------------------ the step
+class Step:
+    """The trainer's step on one packed row: anchors, forward + loss (under autocast unless bf16 weights),
+    backward, clipping, optimizer step, zero_grad."""
+
+    def __init__(self, drafter, teacher, optimizer, objective, batch, device, autocast: bool, max_grad_norm: float):
+        import torch
+
+        self.drafter, self.teacher, self.optimizer, self.objective = drafter, teacher, optimizer, objective
+        self.batch, self.device, self.max_grad_norm = batch, device, max_grad_norm
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else \
+            contextlib.nullcontext
+        self.generator = torch.Generator().manual_seed(1)
+        self.slots: list[int] = []
+        self.losses: list[float] = []
+
+    def __call__(self):
+        import torch
+
+        from trainer.objective import block_supervision, dspark_loss, sample_anchors
+
+        b = self.batch
+        anchors = sample_anchors(b["loss_mask"], b["document_ids"], self.objective.max_anchors, generator=self.generator)
+        with self.autocast():
+            out = self.drafter(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
+                               anchor_positions=anchors, document_ids=b["document_ids"],
+                               position_ids=b["position_ids"], return_logits=False)
+            loss, _ = dspark_loss(self.drafter, out, b["input_ids"], b["loss_mask"], b["document_ids"], anchors,
+                                  b["last_hidden_state"], self.teacher, self.objective)
+        loss.backward()
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad],
+                                           self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.slots.append(int(block_supervision(b["loss_mask"], b["document_ids"], anchors,
+                                                self.objective.block_size).sum()))
+        self.losses.append(float(loss.detach()))
+        return anchors
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mask_density(drafter, anchors, batch) -> dict:
+    """Share of the (query, key) pairs the DSpark mask keeps, per layer type (dense evaluation of the mask)."""
+    import torch
+
+    from configuration_dspark import SLIDING
+    from modeling_dspark import build_attention_mask, dspark_mask_mod
+
+    cfg = drafter.config
+    documents = batch["document_ids"]
+    valid = anchors >= 0
+    p = anchors.clamp(min=0)
+    anchor_documents = documents.gather(1, p).masked_fill(~valid, -1)
+    q_len = anchors.shape[1] * cfg.block_size
+    kv_len = documents.shape[1] + q_len
+    out = {}
+    for kind in sorted({layer.layer_type for layer in drafter.layers}):
+        window = cfg.transformer_layer_config["sliding_window"] if kind == SLIDING else None
+        causal = kind == SLIDING and not cfg.sliding_window_non_causal
+        mod = dspark_mask_mod(documents, p.masked_fill(~valid, 0), anchor_documents, cfg.block_size, window, causal)
+        dense = build_attention_mask(mod, anchors.shape[0], q_len, kv_len, anchors.device, "sdpa", torch.float32)
+        out[kind] = float(dense.float().mean())
+    counts = {kind: sum(layer.layer_type == kind for layer in drafter.layers) for kind in out}
+    out["mean"] = sum(out[k] * counts[k] for k in counts) / max(sum(counts.values()), 1)
+    return out
+
+
+def count_step_flops(step: Step, attn: str) -> dict:
+    """FLOPs of one step (optimizer included) under FlopCounterMode; if the configured attention backend cannot
+    be counted (an error, or no attention FLOPs seen), the step is counted again with sdpa (same dense formula)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def run() -> tuple[int, int]:
+        with FlopCounterMode(display=False) as counter:
+            step()
+        total = int(counter.get_total_flops())
+        attention = sum(v for op, v in counter.get_flop_counts().get("Global", {}).items()
+                        if "attention" in str(op))
+        return total, int(attention)
+
+    note = f"counted with {attn}"
+    try:
+        total, attention = run()
+        if attention == 0 and attn != "sdpa":
+            raise RuntimeError("no attention FLOPs counted")
+    except Exception as e:  # noqa: BLE001 - fall back to a countable backend, and say so
+        if attn == "sdpa":
+            raise
+        step.optimizer.zero_grad(set_to_none=True)  # a step that failed midway may have left gradients behind
+        previous = step.drafter.config._attn_implementation
+        step.drafter.config._attn_implementation = "sdpa"
+        try:
+            total, attention = run()
+        finally:
+            step.drafter.config._attn_implementation = previous
+        note = f"counted with sdpa ({attn} under FlopCounterMode: {type(e).__name__}: {str(e)[:120]})"
+    if attention == 0:  # sdpa's math path (CPU, or a mask no fused kernel takes): attention is in the matmuls
+        note += "; attention ran as plain matmuls, so it is not separated (mask-aware figure unavailable)"
+    return dict(total=total, attention=attention or None, non_attention=total - attention, note=note)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None, help="write the measurements here (a JSON dict with a 'table')")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny fp32/sdpa shapes on the CPU (checks the script)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 2 timed)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (flex attention compiles here)")
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="cast the drafter to bf16 instead of fp32 weights under bf16 autocast")
+    parser.add_argument("--attn", default=None, choices=["flex_attention", "sdpa", "eager"],
+                        help="attention backend (default: flex_attention on the GPU, sdpa in the CPU smoke)")
+    parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count (one extra step)")
+    parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                        help="override a recipe key, as trainer/run.py does (e.g. --set confidence_target "
+                             "sampled_restricted --set full_vocab_metrics false)")
+    args = parser.parse_args()
+    import torch
+
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: benchmarks.gpu_step measures a bf16 GPU training step; run it on a GPU "
+                           "machine, or pass --cpu-smoke to check the script on tiny CPU shapes")
+    if args.quick:
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError("--steps must be >= 1 and --warmup >= 0")
+    device = torch.device("cpu" if smoke else "cuda")
+    attn = args.attn or ("sdpa" if smoke else "flex_attention")
+    autocast = not smoke and not args.bf16_weights
+    precision = ("bf16 weights, gradients and optimizer state" if args.bf16_weights
+                 else "fp32 (CPU smoke)" if smoke else "fp32 master weights + torch.autocast(cuda, bfloat16)")
+    started = time.time()
+    print(f"building the drafter ({'tiny smoke shape' if smoke else 'configs/gemma-4-E4B-it.yaml'}) on {device} ...",
+          flush=True)
+    overrides = [item for key, value in args.set for item in (f"--{key}", value)]
+    drafter, verifier, teacher, optimizer, objective, run = build(smoke, device, args.bf16_weights, attn, overrides)
+    batch = synthetic_batch(drafter, verifier, device, smoke)
+    step = Step(drafter, teacher, optimizer, objective, batch, device, autocast, run.train.max_grad_norm)
+    params = sum(p.numel() for p in drafter.parameters())
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+
+    print(f"warm-up: {args.warmup} steps ...", flush=True)
+    warm = []
+    for _ in range(args.warmup):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        warm.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base_allocated = torch.cuda.memory_allocated(device)
+    print(f"timing: {args.steps} steps ...", flush=True)
+    times = []
+    anchors = None
+    for _ in range(args.steps):
+        sync(device)
+        start = time.perf_counter()
+        anchors = step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    memory = {}
+    if device.type == "cuda":
+        memory = dict(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                      peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                      allocated_before_steps_bytes=base_allocated)
+    median = statistics.median(times)
+    slots = statistics.mean(step.slots[-args.steps:])
+    tokens = batch["input_ids"].numel()
+    density = mask_density(drafter, anchors, batch)
+    flops = None
+    if not args.no_flops:
+        print("counting FLOPs of one more step ...", flush=True)
+        flops = count_step_flops(step, attn)
+        flops["mask_aware"] = (flops["non_attention"] + flops["attention"] * density["mean"]
+                               if flops["attention"] else None)
+        flops["mfu"] = flops["total"] / median / PEAK_FLOPS
+        flops["mfu_mask_aware"] = flops["mask_aware"] / median / PEAK_FLOPS if flops["mask_aware"] else None
+    finite = all(math.isfinite(v) for v in step.losses)
+    cfg = drafter.config
+    out = dict(
+        benchmark="gpu_step", smoke=smoke, recipe_overrides=overrides, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__, precision=precision, attention=attn,
+        shape=dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
+                   layer_types=cfg.transformer_layer_config["layer_types"], vocab=cfg.vocab_size,
+                   draft_vocab=cfg.draft_vocab_size, block=cfg.block_size, markov_rank=cfg.markov_rank,
+                   confidence_head=cfg.enable_confidence_head, aux_ids=list(cfg.aux_hidden_state_layer_ids),
+                   context_tokens=tokens, max_anchors=objective.max_anchors, anchors=int((anchors >= 0).sum()),
+                   parameters=params, trainable_parameters=trainable),
+        objective={k: getattr(objective, k) for k in ("loss_weights", "teacher_vocab", "confidence_target",
+                                                      "chunk_elements", "max_anchors")
+                   } | ({"full_vocab_metrics": objective.full_vocab_metrics}
+                        if hasattr(objective, "full_vocab_metrics") else {}),
+        optimizer=type(optimizer).__name__, warmup_s=warm, step_s=times, step_median_s=median,
+        context_tokens_per_s=tokens / median, supervised_slots=slots, supervised_slots_per_s=slots / median,
+        memory=memory, flops=flops, mask_density=density, peak_flops=PEAK_FLOPS, losses=step.losses,
+        losses_finite=finite, seconds=time.time() - started,
+    )
+    gib = 2**30
+    tag = "smoke " if smoke else ""
+    rows = [
+        [f"{tag}step time", median, "s", f"median of {args.steps} after {args.warmup} warm-up; {precision}; {attn}"],
+        [f"{tag}context tokens/s", tokens / median, "tokens/s", f"T = {tokens}, 1 packed row"],
+        [f"{tag}supervised slots/s", slots / median, "slots/s", f"{slots:.0f} slots ({out['shape']['anchors']} anchors "
+                                                                f"x block {cfg.block_size})"],
+    ]
+    if memory:
+        rows += [[f"{tag}peak CUDA memory allocated", memory["peak_allocated_bytes"] / gib, "GiB",
+                  f"{memory['allocated_before_steps_bytes'] / gib:.2f} GiB before the steps (weights, optimizer "
+                  f"state, inputs, verifier head)"],
+                 [f"{tag}peak CUDA memory reserved", memory["peak_reserved_bytes"] / gib, "GiB", ""]]
+    if flops:
+        rows += [[f"{tag}FLOPs per step", flops["total"] / 1e12, "TFLOP",
+                  f"FlopCounterMode, optimizer included, dense attention "
+                  f"{(flops['attention'] or 0) / 1e12:.3g} TFLOP; {flops['note']}"],
+                 [f"{tag}MFU", flops["mfu"], "share", f"vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16 dense peak"
+                  + ("; meaningless on the CPU smoke" if smoke else "")],
+                 [f"{tag}MFU (mask-aware attention)", flops["mfu_mask_aware"], "share",
+                  f"attention FLOPs x mask density {density['mean']:.3f}"]]
+    rows.append([f"{tag}losses finite", finite, "", f"first {step.losses[0]:.4f}, last {step.losses[-1]:.4f}"])
+    out["table"] = rows
+    print()
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if not finite:
+        raise RuntimeError("a training step produced a non-finite loss")
+
+
+if __name__ == "__main__":
+    cli(main)
