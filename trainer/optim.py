@@ -20,9 +20,10 @@ to `torch.optim.Muon` (bar one torch quirk: for bf16 parameters without Nesterov
 normalisation also rescales the momentum buffer; here it does not). `DtypeMuon` is a subclass that overrides only `step`: torch itself is not patched, and
 other `torch.optim.Muon` instances in the process are unaffected. Its state dict is `torch.optim.Muon`'s.
 
-Cost. In float32 (and wider), matrices of one shape are orthogonalised as one stack, and where it needs fewer
-multiply-adds (`n > 1.5 m` for a wide `m x n` matrix: the MLP's and `fc`) the iteration runs on the `m x m` Gram
-matrix instead of on X (`orthogonalize_batch`): the same update in exact arithmetic, ~1.6x faster on the MLP
+Cost. In float32 (and wider), matrices of one shape are orthogonalised in stacks of up to 8 MiB (the step's
+only transient memory besides the gradients), and where it needs fewer multiply-adds (`n > 1.5 m` for a wide
+`m x n` matrix: the MLP's and `fc`) the iteration runs on the `m x m` Gram matrix instead of on X
+(`orthogonalize_batch`): the same update in exact arithmetic, ~1.6x faster on the MLP
 matrices; against torch's iteration in float64 it differs by ~2e-5 relative (up to 2e-4 on ill-conditioned
 inputs), where torch's own bf16 Muon differs by ~1e-2. The AdamW half uses torch's fused kernel on CPU and
 CUDA: the same update, one pass over each tensor instead of ~7 (0.43 s -> 0.05 s for a [262144, 256] Markov
@@ -77,6 +78,11 @@ def zeropower_via_newton_schulz(grad: Tensor, ns_coefficients: tuple[float, floa
     return x.T if tall else x
 
 
+# Elements per stack of same-shape matrices (8 MiB in float32): the stack, its result and the Gram-space
+# temporaries are the optimizer step's only transient memory, so they stay small next to the gradients.
+STACK_ELEMENTS = 1 << 21
+
+
 def _newton_schulz_flops(rows: int, cols: int, ns_steps: int) -> tuple[int, int]:
     """Multiply-add counts of the two equal-in-exact-arithmetic forms for a wide `rows <= cols` matrix: the
     iteration on X (`X @ X^T`, the polynomial, `poly @ X` per step) and the iteration on the Gram matrix
@@ -97,9 +103,10 @@ def orthogonalize_batch(updates: Tensor, ns_coefficients: tuple[float, float, fl
     the same update in exact arithmetic; it costs `2 m^2 n + 17 m^3` multiply-adds per matrix at 5 steps
     instead of `5 (2 m^2 n + m^3)`, fewer whenever `n > 1.5 m` (the draft MLP's 4:1 matrices and `fc`). The
     form with fewer multiply-adds is used per stack. One batched matmul per product serves every matrix of a
-    shape (the layers' q/o, k/v and gate/up/down matrices share shapes)."""
+    shape (the layers' q/o, k/v and gate/up/down matrices share shapes). Overwrites `updates` (normalised in
+    place, to hold one fewer stack)."""
     a, b, c = ns_coefficients
-    x = updates / updates.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    x = updates.div_(updates.norm(dim=(1, 2), keepdim=True).clamp(min=eps))
     m, n = x.shape[-2:]
     on_x, on_gram = _newton_schulz_flops(m, n, ns_steps)
     if on_x <= on_gram:
@@ -160,27 +167,39 @@ class DtypeMuon(torch.optim.Muon):
             lr = lr.item() if isinstance(lr, Tensor) else lr
             weight_decay, momentum = group["weight_decay"], group["momentum"]
             # Half precision: torch's own per-matrix iteration (bit-identical to torch.optim.Muon). float32 and
-            # wider: matrices of one shape are stacked and orthogonalised together (`orthogonalize_batch`).
-            stacks: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+            # wider: matrices of one shape are stacked and orthogonalised together (`orthogonalize_batch`); each
+            # update is written straight into its stack, so the step holds one stack at a time, not every update.
+            stacks: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}
             for param, grad, buf in zip(params, grads, bufs):
                 if grad.ndim != 2:
                     raise ValueError("Param gradient must be a 2D matrix")
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 dtype = newton_schulz_dtype_for(self.newton_schulz_dtype, param.device)
                 if torch.finfo(dtype).bits < 32:
+                    buf.lerp_(grad, 1 - momentum)
+                    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                     update = zeropower_via_newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
                                                          group["eps"], dtype)
                     self._apply(param, update, lr, weight_decay, group["adjust_lr_fn"])
                     continue
-                wide = update.mT if update.shape[0] > update.shape[1] else update
-                stacks.setdefault((tuple(wide.shape), dtype, param.device), []).append((param, update))
-            for (_, dtype, _), members in stacks.items():
-                wide = torch.stack([(u.mT if u.shape[0] > u.shape[1] else u).to(dtype) for _, u in members])
-                ortho = orthogonalize_batch(wide, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                for (param, update), o in zip(members, ortho):
-                    self._apply(param, o.mT if update.shape[0] > update.shape[1] else o, lr, weight_decay,
+                wide = tuple(reversed(grad.shape)) if grad.shape[0] > grad.shape[1] else tuple(grad.shape)
+                stacks.setdefault((wide, dtype, param.device), []).append((param, grad, buf))
+            pieces = []
+            for (wide, dtype, device), members in stacks.items():
+                per_stack = max(1, STACK_ELEMENTS // (wide[0] * wide[1]))
+                pieces += [(wide, dtype, device, members[i : i + per_stack]) for i in range(0, len(members), per_stack)]
+            for wide, dtype, device, members in pieces:
+                stack = torch.empty(len(members), *wide, dtype=dtype, device=device)
+                for i, (_, grad, buf) in enumerate(members):
+                    buf.lerp_(grad, 1 - momentum)
+                    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                    stack[i].copy_(update.mT if update.shape[0] > update.shape[1] else update)
+                    del update
+                ortho = orthogonalize_batch(stack, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                del stack
+                for (param, _, _), o in zip(members, ortho):
+                    self._apply(param, o.mT if param.shape[0] > param.shape[1] else o, lr, weight_decay,
                                 group["adjust_lr_fn"])
+                del ortho
         return loss
 
     @staticmethod
