@@ -343,7 +343,9 @@ _CALIBRATION_KEYS = {"a": (int, float), "c": (int, float), "n_slots": int, "ece_
                      "reliability_before": list, "reliability_after": list}
 _TARGETS = {"greedy": "greedy drafts checked by a sampling verifier, `p(argmax q)` (vLLM's default drafting)",
             "greedy_t0": "greedy drafts checked by a greedy verifier, `1[argmax q = argmax p]`",
-            "sampled": "sampled drafts, `1 - TV(p, q)`"}
+            "sampled": "sampled drafts, `1 - TV(p, q)`",
+            "sampled_restricted": "sampled drafts against the teacher renormalised over the draft vocabulary "
+                                  "(speculators' target), `1 - TV(p_draft, q)`"}
 
 
 def read_calibration(directory: Path) -> dict | None:
