@@ -465,3 +465,22 @@ def test_one_markov_lookup_feeds_the_logits_and_the_confidence_head(gemma4_verif
     assert len(lookups) == 1 and out.previous_features.shape == (*out.previous_token_ids.shape, 16)
     loss.backward()
     assert drafter.markov_head.markov_w1.weight.grad.abs().sum() > 0
+
+
+def test_bf16_drafter_weights_train_with_fp32_gradient_accumulation(gemma4_verifier):
+    """A bf16 drafter (bf16 weights, as `--bf16-weights` GPU runs use) goes through the closed-form loss: its
+    `markov_w2` gradient is accumulated in fp32 and lands in the parameter's dtype, close to the fp32 drafter's."""
+    drafter = tiny_drafter(gemma4_verifier).train()
+    ids, positions, aux, last, anchors = batch(gemma4_verifier, drafter, seed=7)
+    cfg = ObjectiveConfig(block_size=drafter.block_size)
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_drafter(gemma4_verifier).train().to(dtype)
+        out = model(ids, aux.to(dtype), anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+        loss, _ = dspark_loss(model, out, ids, MASK, DOCS, anchors, last, teacher_of(gemma4_verifier), cfg)
+        loss.backward()
+        grad = model.markov_head.markov_w2.weight.grad
+        assert grad.dtype == dtype and torch.isfinite(loss)
+        grads[dtype] = grad.float()
+    reference = grads[torch.float32]
+    assert ((grads[torch.bfloat16] - reference).norm() / reference.norm()) < 0.1
