@@ -37,6 +37,73 @@ def fail(message: str, status: int = 2) -> None:
     raise SystemExit(status)
 
 
+# ------------------------------------------------------------------------------------------------ objective
+# The loss terms both training-step implementations use (speculators' DSpark tutorial recipe).
+LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9}
+
+
+def objective(kind: str, block: int, anchors: int):
+    """The `ObjectiveConfig` a benchmark runs: `"matched"` is the objective speculators 0.9.0 trains (CE + TV over
+    the draft vocabulary, its confidence target, no full-vocabulary pass); `"default"` the package's defaults.
+    Both with `LOSS_WEIGHTS`, `block` and `anchors`. Imported lazily: this module also runs in .venv-speculators."""
+    from trainer.objective import ObjectiveConfig
+
+    base = dict(block_size=block, max_anchors=anchors, loss_weights=dict(LOSS_WEIGHTS))
+    if kind == "default":
+        return ObjectiveConfig(**base)
+    if kind != "matched":
+        raise ValueError(f"unknown objective kind {kind!r}; use 'matched' or 'default'.")
+    return ObjectiveConfig(**base, teacher_vocab="draft", confidence_target="sampled_restricted",
+                           full_vocab_metrics=False)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def fmt(value) -> str:
+    """A table cell: 4 significant digits, scientific outside [1e-3, 1e6)."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:.4g}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def print_table(rows: list[list]) -> None:
+    """Print `[name, value, unit, note]` rows aligned."""
+    cells = [[str(r[0]), fmt(r[1]), str(r[2]), str(r[3])] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)] if cells else [0, 0, 0]
+    for c in cells:
+        print(f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]}")
+
+
+def cli(main: Callable[[], None]) -> None:
+    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback)."""
+    debug = "--debug" in sys.argv or os.environ.get("DSPARK_DEBUG") == "1"
+    if "--debug" in sys.argv:
+        sys.argv.remove("--debug")
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the contract is one line for every failure
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}", file=sys.stderr)
+        sys.exit(1)
+
+
+def busy_warning() -> None:
+    """Warn when other processes load the cores: multi-threaded kernels then stall and the timings mean little."""
+    load = os.getloadavg()[0]
+    if torch.get_num_threads() > 1 and load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores while torch uses {torch.get_num_threads()} "
+              f"threads; multi-threaded kernels on a busy machine are many times slower (--threads 1 is steadier)",
+              file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def _status_kib(field: str) -> int | None:
     try:
@@ -77,6 +144,32 @@ def trim_malloc() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def mem_available_bytes() -> int:
+    """`MemAvailable` from /proc/meminfo."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+class PeakRSS:
+    """Peak extra resident memory over a region (`delta`, bytes): garbage collection and a malloc trim, so the
+    baseline counts only live memory, then the peak is reset on entry and read on exit."""
+
+    def __enter__(self):
+        gc.collect()
+        trim_malloc()
+        self.before = rss_bytes()
+        if not reset_peak_rss():
+            raise RuntimeError("the kernel refused to reset the peak RSS (/proc/self/clear_refs); run on Linux >= 4.0")
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = peak_rss_bytes()
+        self.delta = max(0, self.peak - self.before)
 
 
 def _cpu_seconds() -> float:

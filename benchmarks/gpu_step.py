@@ -43,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import cli, print_table  # noqa: E402
+
 RECIPE = os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml")
 PEAK_FLOPS = 790e12
 CONTEXT_TOKENS = 4096
@@ -55,41 +57,6 @@ SMOKE = dict(tokens=128, prompt=16, max_anchors=16, vocab=1024, draft_vocab=256,
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def fmt(value) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value == 0 or 1e-3 <= abs(value) < 1e6:
-            return f"{value:.4g}"
-        return f"{value:.3e}"
-    return str(value)
-
-
-def print_table(rows: list[list]) -> None:
-    cells = [[str(r[0]), fmt(r[1]), str(r[2]), str(r[3])] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(3)] if cells else [0, 0, 0]
-    for c in cells:
-        print(f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]}")
-
-
-def cli(main) -> None:
-    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback)."""
-    debug = "--debug" in sys.argv or os.environ.get("DSPARK_DEBUG") == "1"
-    if "--debug" in sys.argv:
-        sys.argv.remove("--debug")
-    try:
-        main()
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - the contract is one line for every failure
-        if debug:
-            raise
-        print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}", file=sys.stderr)
-        sys.exit(1)
-
-
 # ------------------------------------------------------------------------------------------------ models
 def verifier_config(smoke: bool):
     """google/gemma-4-E4B-it's text stack as a config (scripts/seed_checkpoint.py), or a tiny Gemma 4 one."""

@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import busy_warning, cli, print_table  # noqa: E402
+
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_CONFIG = os.path.join(ROOT, "configs", "smollm2-135m.yaml")
 PROMPT_DIR = os.path.join(ROOT, "data", "demo", "heldout")
@@ -47,51 +49,6 @@ OVERHEAD_TARGET = 0.10
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def fmt(value) -> str:
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value == 0 or 1e-3 <= abs(value) < 1e6:
-            return f"{value:.4g}"
-        return f"{value:.3e}"
-    return str(value)
-
-
-def print_table(rows: list[list]) -> None:
-    cells = [[str(r[0]), fmt(r[1]), str(r[2]), str(r[3])] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(3)] if cells else [0, 0, 0]
-    for c in cells:
-        print(f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]}")
-
-
-def cli(main) -> None:
-    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback)."""
-    debug = "--debug" in sys.argv or os.environ.get("DSPARK_DEBUG") == "1"
-    if "--debug" in sys.argv:
-        sys.argv.remove("--debug")
-    try:
-        main()
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - the contract is one line for every failure
-        if debug:
-            raise
-        print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}", file=sys.stderr)
-        sys.exit(1)
-
-
-def busy_warning() -> None:
-    import torch
-
-    load = os.getloadavg()[0]
-    if torch.get_num_threads() > 1 and load > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores while torch uses {torch.get_num_threads()} "
-              f"threads; multi-threaded kernels on a busy machine are many times slower (--threads 1 is steadier)",
-              file=sys.stderr, flush=True)
-
-
 class ForwardTimer:
     """Wall time of every forward call of a module (pre-hook starts the clock, forward hook stops it)."""
 

@@ -35,9 +35,7 @@ slower per slot, so the full 4,096 slots take ~15 minutes there: `--vocab 262144
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -46,125 +44,28 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import (  # noqa: E402
+    LOSS_WEIGHTS,
+    PeakRSS,
+    busy_warning,
+    cli,
+    mem_available_bytes,
+    objective,
+    print_table,
+)
+
 FULL = dict(anchors=512, block=8, hidden=640, vocab=262144, draft_vocabs=[32000, 262144], rank=256)
 QUICK = dict(anchors=16, block=8, hidden=64, vocab=4096, draft_vocabs=[512, 4096], rank=16)
-LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9}
 HEADROOM_BYTES = 4 * 2**30
 WARMUP_MAX_ANCHORS = 64
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
-
-
-def release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS, so the next RSS baseline is honest."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-class PeakRSS:
-    """Peak extra resident memory over a region: reset VmHWM to the current RSS on entry, read it on exit."""
-
-    def __enter__(self):
-        release_memory()
-        self.before = proc_status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return self
-
-    def __exit__(self, *exc):
-        self.peak = proc_status_bytes("VmHWM")
-        self.delta = max(0, self.peak - self.before)
-
-
-def fmt(value) -> str:
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value == 0 or 1e-3 <= abs(value) < 1e6:
-            return f"{value:.4g}"
-        return f"{value:.3e}"
-    return str(value)
-
-
-def print_table(rows: list[list]) -> None:
-    cells = [[str(r[0]), fmt(r[1]), str(r[2]), str(r[3])] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(3)] if cells else [0, 0, 0]
-    for c in cells:
-        print(f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]}")
-
-
-def cli(main) -> None:
-    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback)."""
-    debug = "--debug" in sys.argv or os.environ.get("DSPARK_DEBUG") == "1"
-    if "--debug" in sys.argv:
-        sys.argv.remove("--debug")
-    try:
-        main()
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - the contract is one line for every failure
-        if debug:
-            raise
-        print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}", file=sys.stderr)
-        sys.exit(1)
-
-
-# ------------------------------------------------------------------------------------------------ objective
-def objective_features() -> dict:
-    """Which of the newer ObjectiveConfig fields exist in this checkout."""
-    from trainer import objective
-
-    names = {f.name for f in dataclasses.fields(objective.ObjectiveConfig)}
-    return {"full_vocab_metrics": "full_vocab_metrics" in names,
-            "sampled_restricted": "sampled_restricted" in getattr(objective, "CONFIDENCE_TARGETS", ())}
-
-
-def objective_config(kind: str, block: int, anchors: int):
-    """`ours`: the configuration under test (falls back, with a warning, while the newer fields are missing);
-    `default`: the package defaults for everything but the shape and the loss weights."""
-    from trainer.objective import ObjectiveConfig
-
-    if kind == "default":
-        return ObjectiveConfig(block_size=block, max_anchors=anchors, loss_weights=dict(LOSS_WEIGHTS)), None
-    have = objective_features()
-    kw = dict(block_size=block, max_anchors=anchors, loss_weights=dict(LOSS_WEIGHTS), teacher_vocab="draft")
-    notes = []
-    if have["sampled_restricted"]:
-        kw["confidence_target"] = "sampled_restricted"
-    else:
-        kw["confidence_target"] = "sampled"
-        notes.append("confidence_target='sampled_restricted' missing: using 'sampled' (full-vocabulary overlap)")
-    if have["full_vocab_metrics"]:
-        kw["full_vocab_metrics"] = False
-    else:
-        notes.append("ObjectiveConfig.full_vocab_metrics missing: the full-vocabulary metric pass runs")
-    return ObjectiveConfig(**kw), "; ".join(notes) or None
-
-
 # ------------------------------------------------------------------------------------------------ problem
 def build_problem(shape: dict, draft_vocab: int, seed: int = 0):
     """A small real drafter (1 layer; only its heads are used), the teacher and one packed row where every slot
@@ -277,9 +178,6 @@ def run_naive(drafter, teacher, problem: dict, config):
     with torch.no_grad():
         if config.confidence_target == "sampled_restricted" or not drafter.config.uses_draft_vocab:
             conf_target = overlap.detach()
-        elif config.confidence_target == "sampled":  # fallback mode: overlap with the full-vocabulary teacher
-            log_z_full = torch.logsumexp(normed @ teacher.output_weight.T, dim=-1, keepdim=True)
-            conf_target = torch.minimum(q.detach(), (teacher_logits - log_z_full).exp()).sum(dim=-1)
         else:
             raise ValueError(f"the naive reference has no confidence target {config.confidence_target!r}")
         conf_target = conf_target.clamp(0.0, 1.0)
@@ -303,8 +201,7 @@ def worker(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
     drafter, teacher, problem = build_problem(spec["shape"], spec["draft_vocab"])
     impl = spec["impl"]
-    config, note = objective_config("default" if impl == "default" else "ours", spec["shape"]["block"],
-                                    spec["shape"]["anchors"])
+    config = objective("default" if impl == "default" else "matched", spec["shape"]["block"], spec["shape"]["anchors"])
     fn = run_naive if impl == "naive" else run_ours
     anchors = spec["anchors"]
     full = subset(problem, anchors)
@@ -318,7 +215,7 @@ def worker(spec: dict) -> None:
         return loss, grad, seconds, mem.delta, mem.before
 
     result = {"impl": impl, "anchors": anchors, "slots": anchors * spec["shape"]["block"],
-              "config": {k: v for k, v in dataclasses.asdict(config).items()}, "note": note,
+              "config": dataclasses.asdict(config),
               "threads": torch.get_num_threads()}
     if spec["repeats"]:
         once(subset(problem, min(anchors, WARMUP_MAX_ANCHORS)))
@@ -459,7 +356,7 @@ def benchmark_vocab(shape, draft_vocab, anchors, repeats, tmp, budget_override, 
     at = f" at {slots} slots" if anchors != full_anchors else ""
     rows = [
         [f"{tag} ours time{at}", ours["median_s"], "s",
-         f"{rep}; {ours['note'] or 'sampled_restricted, no full-vocab metrics'}"],
+         f"{rep}; sampled_restricted, no full-vocab metrics"],
         [f"{tag} ours peak extra memory{at}", ours["peak_bytes"] / gib, "GiB", "peak RSS delta"],
         [f"{tag} default objective time{at}", default["median_s"], "s",
          f"{rep}; package defaults (full_vocab_metrics={default['config'].get('full_vocab_metrics', True)}, "
@@ -527,19 +424,11 @@ def main() -> None:
     anchors = args.anchors or shape["anchors"]
     if not 1 <= anchors <= shape["anchors"]:
         raise ValueError(f"--anchors must lie in 1..{shape['anchors']}")
-    have = objective_features()
-    for name, ok in have.items():
-        if not ok:
-            warnings.warn(f"trainer.objective has no {name} yet; 'ours' falls back (see the table notes)", stacklevel=1)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
-    if torch.get_num_threads() > 1 and load > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores while torch uses {torch.get_num_threads()} "
-              f"threads; multi-threaded kernels on a busy machine are many times slower (--threads 1 is steadier)",
-              file=sys.stderr, flush=True)
+    busy_warning()
     started = time.time()
     results, table = {}, []
     with tempfile.TemporaryDirectory(prefix="dspark-loss-bench-") as tmp:
@@ -550,7 +439,7 @@ def main() -> None:
             results[str(v)] = res
             table += rows
     out = dict(benchmark="loss_alone", quick=args.quick, shape=shape, measured_anchors=anchors, loss_weights=LOSS_WEIGHTS,
-               objective_features=have, torch=torch.__version__, threads=torch.get_num_threads(),
+               torch=torch.__version__, threads=torch.get_num_threads(),
                cpu_count=os.cpu_count(), load_average=os.getloadavg(), seconds=time.time() - started,
                results=results, table=table)
     print()

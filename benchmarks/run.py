@@ -160,7 +160,6 @@ def summarize(runs: dict[str, list[dict]], matmul: dict) -> dict:
             "flops_per_step": flops,
             "flops_by_phase": reps[0].get("flops"),
             "achieved_gflops": flops / total["median"] / 1e9 if flops and total["median"] else None,
-            "warnings": sorted({w for r in reps for w in r.get("warnings", [])}),
             "max_load_average": max(max(r.get("load_average_before", 0), r.get("load_average_after", 0))
                                     for r in reps),
             "cpu_utilization": summary([r["cpu_utilization"] for r in reps if r.get("cpu_utilization")]),

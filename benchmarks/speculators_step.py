@@ -23,10 +23,9 @@ from pathlib import Path
 # This package's root (for `benchmarks.common` and `trainer.optim`), which is not installed in .venv-speculators.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import BenchmarkError, fail, machine, train_steps, write_json  # noqa: E402
+from benchmarks.common import LOSS_WEIGHTS, BenchmarkError, fail, machine, train_steps, write_json  # noqa: E402
 from benchmarks.train_step import (  # noqa: E402
     LEARNING_RATE,
-    LOSS_WEIGHTS,
     MAX_GRAD_NORM,
     MUON_MOMENTUM,
     MUON_WEIGHT_DECAY,

@@ -41,10 +41,10 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, BenchmarkError, fail, machine, train_steps, write_json
+from benchmarks.common import objective as bench_objective
 
 META_FILE = "meta.json"
 SPEC_VERSION = 1
-LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9}
 LEARNING_RATE = 5e-4  # trainer/config.py defaults: learning_rate, weight_decay, muon_weight_decay, max_grad_norm
 WEIGHT_DECAY = 0.01
 MUON_WEIGHT_DECAY = 0.1
@@ -212,27 +212,6 @@ def make_inputs(out: Path, quick: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ run
-def objective_config(impl: str, block: int, anchors: int):
-    """`(ObjectiveConfig, warnings)`: for `ours` the objective matched to speculators 0.9.0, for `ours-default`
-    the package defaults (block size, anchors and loss weights aside)."""
-    from trainer.objective import ObjectiveConfig
-
-    base = dict(block_size=block, max_anchors=anchors, loss_weights=dict(LOSS_WEIGHTS))
-    if impl == "ours-default":
-        return ObjectiveConfig(**base), []
-    matched = dict(base, teacher_vocab="draft", confidence_target="sampled_restricted", full_vocab_metrics=False)
-    try:
-        return ObjectiveConfig(**matched), []
-    except (TypeError, ValueError) as first:
-        fallback = dict(base, teacher_vocab="draft", confidence_target="sampled")
-        warning = (f"ObjectiveConfig does not accept confidence_target='sampled_restricted' / "
-                   f"full_vocab_metrics=False yet ({first}); fell back to {fallback}, which keeps the "
-                   f"full-vocabulary metric pass and trains the confidence head toward the full-vocabulary overlap, "
-                   f"so the loss will not match speculators'.")
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-        return ObjectiveConfig(**fallback), [warning]
-
-
 def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps: int, flops: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -253,7 +232,7 @@ def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps
     drafter.train()
     # The teacher exactly as the trainer builds it: Teacher(final_norm, softcap, the verifier's own output head).
     teacher = InProcessVerifier(verifier, drafter.config.aux_hidden_state_layer_ids).teacher()
-    objective, warnings = objective_config(impl, c["block_size"], c["anchors"])
+    objective = bench_objective("default" if impl == "ours-default" else "matched", c["block_size"], c["anchors"])
     optimizer = MuonWithAdamW(drafter.named_parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
                               muon_weight_decay=MUON_WEIGHT_DECAY, momentum=MUON_MOMENTUM,
                               muon_names=set(muon_parameter_names(drafter)), newton_schulz_dtype="float32")
@@ -281,7 +260,7 @@ def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps
     report = train_steps(forward, backward, optimizer_step, warmup=warmup, steps=steps, flops=flops)
     result = {
         "impl": impl, "config": config, "quick": meta["quick"], "inputs": c, "supervised_slots": supervised,
-        "objective": dataclasses.asdict(objective), "warnings": warnings, "load_s": load_s,
+        "objective": dataclasses.asdict(objective), "load_s": load_s,
         "optimizer": {"muon": "trainer.optim.DtypeMuon (float32 Newton-Schulz)", "lr": LEARNING_RATE,
                       "weight_decay": WEIGHT_DECAY, "muon_weight_decay": MUON_WEIGHT_DECAY,
                       "momentum": MUON_MOMENTUM, "max_grad_norm": MAX_GRAD_NORM,
