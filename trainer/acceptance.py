@@ -98,7 +98,7 @@ def load_prompt_sets(source: str, subsets: list[str] | None = None, limit: int |
 
 
 def _read_prompts(path: str) -> list[str]:
-    from trainer.data import read_jsonl_objects
+    from trainer.data_files import read_jsonl_objects
 
     prompts = []
     for number, row in read_jsonl_objects(path):

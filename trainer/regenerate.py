@@ -28,7 +28,8 @@ if __package__ in (None, ""):
 from transformers import AutoTokenizer  # noqa: E402
 
 from configuration_dspark import is_hub_id  # noqa: E402
-from trainer.data import normalize_messages, read_jsonl_objects  # noqa: E402
+from trainer.data import normalize_messages  # noqa: E402
+from trainer.data_files import read_jsonl_objects  # noqa: E402
 from trainer.errors import UsageError, run_cli  # noqa: E402
 from trainer.verifier import generation_kwargs, load_verifier, resolve_pretrained, resolve_sampling  # noqa: E402
 
