@@ -143,6 +143,18 @@ class TrainArgs:
     verifier_max_tokens_per_forward: int = 16384
     cache_verifier_states_gb: float = 0.0  # > 0: keep each row's verifier states in memory across epochs (small runs)
     record_batches: bool = False  # write the rows each rank trains on to <output_dir>/batches-rank<r>.jsonl
+    # Where the verifier's hidden states come from (trainer/hidden_states.py): in_process (the verifier in every
+    # training process), vllm (servers started as `python -m trainer.vllm_server` prints, read online and deleted),
+    # cache (shards written by `python -m trainer.states_cache`), hybrid (the cache, else the servers).
+    hidden_states: str = "in_process"
+    vllm_urls: list[str] = field(default_factory=list)  # e.g. [http://10.0.0.5:8000]; spread over, or one per rank
+    vllm_states_dir: str | None = None  # the servers' shared_storage_path, as the trainer's machine sees it
+    vllm_url_per_rank: bool = False  # true: rank r uses only vllm_urls[r % len] (one server per data-parallel group)
+    vllm_concurrency: int = 8  # requests in flight per training process
+    vllm_timeout: float = 300.0  # seconds per request (HTTP answer + the file's lock)
+    vllm_retries: int = 3  # further attempts per document (on another URL when there is one), with backoff
+    vllm_max_failures: int = 8  # consecutive failed requests that stop the run
+    states_cache_dir: str | None = None  # for cache / hybrid
 
 
 @dataclass
@@ -283,6 +295,16 @@ class RunConfig:
             raise UsageError("model.sliding_window_non_causal is true, but vLLM ignores it and serves the sliding "
                              "layers causal inside the block, so the drafter would not serve as trained; set it "
                              "to false.")
+        sources = ("in_process", "vllm", "cache", "hybrid")
+        if t.hidden_states not in sources:
+            raise UsageError(f"train.hidden_states must be one of {', '.join(sources)} (got {t.hidden_states!r}).")
+        if t.hidden_states in ("vllm", "hybrid") and not (t.vllm_urls and t.vllm_states_dir):
+            raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.vllm_urls and "
+                             f"train.vllm_states_dir; start a server with `python -m trainer.vllm_server --config ...` "
+                             f"and pass its URL and hidden-states directory.")
+        if t.hidden_states in ("cache", "hybrid") and not t.states_cache_dir:
+            raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.states_cache_dir; build one "
+                             f"with `python -m trainer.states_cache --config ... --cache_dir DIR` and pass DIR.")
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
@@ -364,6 +386,10 @@ def _RANGES(c: "RunConfig"):
         ("train.dataloader_num_workers", t.dataloader_num_workers, 0, None, closed),
         ("train.verifier_max_tokens_per_forward", t.verifier_max_tokens_per_forward, 1, None, closed),
         ("train.cache_verifier_states_gb", t.cache_verifier_states_gb, 0, None, closed),
+        ("train.vllm_concurrency", t.vllm_concurrency, 1, None, closed),
+        ("train.vllm_timeout", t.vllm_timeout, 0, None, positive),
+        ("train.vllm_retries", t.vllm_retries, 0, None, closed),
+        ("train.vllm_max_failures", t.vllm_max_failures, 1, None, closed),
     ]
 
 

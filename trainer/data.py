@@ -635,13 +635,16 @@ class DSparkCollator:
 
     PAD_VALUES = {"loss_mask": 0, "document_ids": -1, "position_ids": 0}
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = 8):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = 8, on_batch=None):
         if pad_token_id is None:
             raise ValueError("pad_token_id is None; pass tokenizer.pad_token_id (or the eos id if it has no pad).")
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1 (or None for no rounding).")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
+        # Called with every collated batch: a hidden-state source with latency starts fetching it here, one batch
+        # before the trainer asks (the data loader collates the next batch while the current one trains).
+        self.on_batch = on_batch
 
     def __call__(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if not features:
@@ -657,6 +660,8 @@ class DSparkCollator:
                 out[r, : values.numel()] = values
             batch[key] = out
         batch["row_index"] = torch.tensor([int(f["row_index"]) for f in features], dtype=torch.long)
+        if self.on_batch is not None:
+            self.on_batch(batch)
         return batch
 
 

@@ -9,8 +9,20 @@ interface, so other sources (a vLLM server, an offline cache) plug in by impleme
 The default, `InProcessVerifier`, runs a frozen Hugging Face verifier inside the training process: one
 no-grad decoder forward per batch, documents run separately (so a packed row never leaks context across
 documents, whatever attention the verifier uses), with the full-vocabulary output head skipped.
+
+Because documents run separately, a document's states depend on its token ids alone. The sources that do
+not run the verifier here are therefore per-document (`DocumentStateSource`): they fetch or read each
+document's states by `document_key` (a hash of its ids) and `DocumentStateSource.states` packs them into the
+batch, one implementation for all of them:
+
+    source                      where the states come from                      module
+    InProcessVerifier           the verifier in this process                    here
+    VLLMStateSource             vLLM servers (extract_hidden_states), online    trainer/vllm_states.py
+    StatesCache                 safetensors shards written before training      trainer/states_cache.py
+    HybridSource                the cache, else an online source                trainer/states_cache.py
 """
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -42,18 +54,83 @@ class HiddenStateSource(ABC):
         `last_hidden_state`; a source without the head supports only full-vocabulary drafters."""
 
 
-class InProcessVerifier(HiddenStateSource):
-    """A frozen HF causal LM in the training process (replicated per rank under DDP)."""
+def verifier_teacher(verifier: nn.Module) -> Teacher:
+    """The teacher of a verifier (a full model or `trainer.verifier.load_verifier_shell`'s): its final norm,
+    softcap and output head, the verifier's own tensors (detach shares them, no copy)."""
+    text = verifier.config.get_text_config()
+    head = verifier.get_output_embeddings()
+    return Teacher(verifier_decoder(verifier).norm, getattr(text, "final_logit_softcapping", None),
+                   head.weight.detach() if head is not None else None)
+
+
+def document_key(input_ids: torch.Tensor) -> str:
+    """The key of one document's verifier states: a hash of its token ids (the states depend on nothing else,
+    since every source runs each document on its own). Shared by the online source, the cache and its writer."""
+    return hashlib.blake2b(input_ids.detach().to("cpu", torch.int64).numpy().tobytes(), digest_size=16).hexdigest()
+
+
+class DocumentStateSource(HiddenStateSource):
+    """A source that produces states one document at a time (`document_states`); `states` packs them into the
+    batch's rows (padding stays zero). `prefetch` lets the collator announce a batch before the trainer asks
+    for it, so a source with latency (a server) can fetch it during the previous step."""
+
+    hidden_size: int
+    dtype: torch.dtype
+
+    @abstractmethod
+    def document_states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(aux [n, k*H], last [n, H])` for each document's token ids `[n]`, in order."""
+
+    def prefetch(self, batch: dict[str, torch.Tensor]) -> None:
+        """Start fetching a batch that `states` will be asked for soon (no-op unless the source has latency)."""
+
+    @staticmethod
+    def documents(batch: dict[str, torch.Tensor]) -> tuple[list[tuple[int, int, int]], list[torch.Tensor]]:
+        """The `(row, start, end)` segments of a batch and each one's token ids (on the CPU)."""
+        segments = document_segments(batch["document_ids"].cpu())
+        input_ids = batch["input_ids"].cpu()
+        return segments, [input_ids[r, s:e] for r, s, e in segments]
+
+    @torch.no_grad()
+    def states(self, batch: dict[str, torch.Tensor]) -> VerifierStates:
+        rows, length = batch["input_ids"].shape
+        segments, documents = self.documents(batch)
+        width = self.hidden_size * len(self.aux_layer_ids)
+        aux_out = torch.zeros(rows, length, width, dtype=self.dtype)
+        last_out = torch.zeros(rows, length, self.hidden_size, dtype=self.dtype)
+        for (r, s, e), (aux, last) in zip(segments, self.document_states(documents)):
+            aux_out[r, s:e] = aux
+            last_out[r, s:e] = last
+        return VerifierStates(aux_out, last_out)
+
+
+class InProcessVerifier(DocumentStateSource):
+    """A frozen HF causal LM in the training process (replicated per rank under DDP). `states` runs a batch's
+    documents grouped by length (its own packing); `document_states` serves the per-document callers (the
+    cache writer, equivalence checks)."""
 
     def __init__(self, verifier: nn.Module, aux_layer_ids: list[int], max_tokens_per_forward: int = 16384):
         self.verifier = verifier
         self.aux_layer_ids = list(aux_layer_ids)
         self.max_tokens_per_forward = max_tokens_per_forward
         text = verifier.config.get_text_config()
-        head = verifier.get_output_embeddings()  # the verifier's own tensor (detach shares it, no copy)
-        self._teacher = Teacher(verifier_decoder(verifier).norm, getattr(text, "final_logit_softcapping", None),
-                                head.weight.detach() if head is not None else None)
+        self._teacher = verifier_teacher(verifier)
         VerifierStateCapture(verifier, self.aux_layer_ids)  # validates the layer ids against this verifier
+        self.hidden_size = text.hidden_size
+        self.dtype = next(verifier.parameters()).dtype
+
+    def document_states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not documents:
+            return []
+        length = max(int(d.numel()) for d in documents)
+        batch = {"input_ids": torch.zeros(len(documents), length, dtype=torch.long),
+                 "document_ids": torch.full((len(documents), length), -1, dtype=torch.long)}
+        for i, d in enumerate(documents):
+            batch["input_ids"][i, : d.numel()] = d
+            batch["document_ids"][i, : d.numel()] = 0
+        states = self.states(batch)
+        return [(states.aux_hidden_states[i, : d.numel()].cpu(), states.last_hidden_state[i, : d.numel()].cpu())
+                for i, d in enumerate(documents)]
 
     @property
     def device(self) -> torch.device:

@@ -58,10 +58,11 @@ from trainer.data import (  # noqa: E402
 )
 from trainer.dspark_trainer import DSparkTrainer  # noqa: E402
 from trainer.errors import UsageError, run_cli  # noqa: E402
-from trainer.hidden_states import InProcessVerifier  # noqa: E402
+from trainer.hidden_states import HiddenStateSource, InProcessVerifier, verifier_teacher  # noqa: E402
 from trainer.optim import MuonAdamWFactory  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
-from trainer.verifier import load_verifier, resolve_pretrained  # noqa: E402
+from trainer.verifier import load_verifier, load_verifier_shell, resolve_pretrained  # noqa: E402
+from trainer.vllm_states import VLLMStateSource, urls_for_rank  # noqa: E402
 from trainer.vocab import build_draft_vocab  # noqa: E402
 
 logger = logging.getLogger("dspark")
@@ -117,11 +118,7 @@ def train(config: RunConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
 
     with args.main_process_first(desc="preparing the chat data"):
-        raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples,
-                                max_bad_line_ratio=d.max_bad_line_ratio)
-        tokenized, stats = prepare_conversations(raw, tokenizer, d.max_seq_length, num_proc=d.num_proc)
-        logger.info("data: %s", stats.summary())
-        train_set, validation_set = split_train_validation(tokenized, d.validation_ratio, d.split_seed)
+        train_set, validation_set, stats = prepare_data(config, tokenizer)
         vocab_ids = None
         if not m.init_from and m.draft_vocab_size is not None:
             vocab_ids = build_draft_vocab(train_set, len_vocab(verifier_path), m.draft_vocab_size)
@@ -131,9 +128,15 @@ def train(config: RunConfig) -> dict:
         has_validation = False
         args = build_training_arguments(config, has_validation)
 
-    logger.info("loading the verifier %s (%s)", m.verifier, verifier_path)
-    verifier = load_verifier(verifier_path, dtype=m.verifier_dtype, device=args.device)
+    if t.hidden_states == "in_process":
+        logger.info("loading the verifier %s (%s)", m.verifier, verifier_path)
+        verifier = load_verifier(verifier_path, dtype=m.verifier_dtype, device=args.device)
+    else:  # the states come from servers or a cache: only the embedding, final norm and head are needed here
+        logger.info("loading the embedding, final norm and head of the verifier %s (%s); hidden states from %s",
+                    m.verifier, verifier_path, t.hidden_states)
+        verifier = load_verifier_shell(verifier_path, dtype=m.verifier_dtype, device=args.device)
     drafter = build_drafter(config, verifier, tokenizer, vocab_ids)
+    source = build_source(config, verifier, drafter.config.aux_hidden_state_layer_ids, args.process_index)
     attn = m.attn_implementation
     if attn == "auto":
         attn = "flex_attention" if args.device.type == "cuda" else "sdpa"
@@ -183,10 +186,10 @@ def train(config: RunConfig) -> dict:
         args=args,
         train_dataset=train_data,
         eval_dataset=eval_data,
-        data_collator=DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0),
+        data_collator=DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0,
+                                     on_batch=getattr(source, "prefetch", None)),
         optimizer_cls_and_kwargs=optimizer,
-        source=InProcessVerifier(verifier, drafter.config.aux_hidden_state_layer_ids,
-                                 max_tokens_per_forward=t.verifier_max_tokens_per_forward),
+        source=source,
         objective=build_objective(config, drafter.config.block_size),
         run_config=config,
         data_stats=data_stats,
@@ -201,6 +204,9 @@ def train(config: RunConfig) -> dict:
     trainer.update_best_link()
     final = trainer.evaluate() if has_validation else {}
     calibration = calibrate_confidence(trainer, drafter, config, has_validation)
+    states_report = source_report(source)
+    if hasattr(source, "close"):
+        source.close()
     summary = {
         "train_loss": result.training_loss,
         "global_step": trainer.state.global_step,
@@ -208,6 +214,8 @@ def train(config: RunConfig) -> dict:
         "initial_eval_accept_len": initial["eval_accept_len"] if initial else None,
         "best_checkpoint": trainer.state.best_model_checkpoint,
         "calibration": calibration,
+        "hidden_states": states_report,
+        "train_steps_per_second": result.metrics.get("train_steps_per_second"),
         "wall_time_s": time.time() - started,
     }
     if args.should_save:
@@ -220,6 +228,59 @@ def train(config: RunConfig) -> dict:
     else:
         logger.warning("done: %d steps in %.0f s (no validation split)", summary["global_step"], summary["wall_time_s"])
     return summary
+
+
+def prepare_data(config: RunConfig, tokenizer):
+    """Load, render, tokenise (cached) and split the chat data: `(train_set, validation_set, stats)`. The one
+    path from the data section to conversations, shared with the hidden-state cache writer
+    (trainer/states_cache.py) so the cache holds exactly the documents training will ask for."""
+    d = config.data
+    raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples,
+                            max_bad_line_ratio=d.max_bad_line_ratio)
+    tokenized, stats = prepare_conversations(raw, tokenizer, d.max_seq_length, num_proc=d.num_proc)
+    logger.info("data: %s", stats.summary())
+    train_set, validation_set = split_train_validation(tokenized, d.validation_ratio, d.split_seed)
+    return train_set, validation_set, stats
+
+
+def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: int) -> HiddenStateSource:
+    """The hidden-state source `train.hidden_states` names (trainer/hidden_states.py has the table). Online
+    sources are checked here, before any training step: servers up, serving this verifier, extracting these
+    layers into a directory this machine sees."""
+    t, m = config.train, config.model
+    if t.hidden_states == "in_process":
+        return InProcessVerifier(verifier, aux_layer_ids, max_tokens_per_forward=t.verifier_max_tokens_per_forward)
+    text = verifier.config.get_text_config()
+    teacher = verifier_teacher(verifier)
+    dtype = verifier.get_input_embeddings().weight.dtype
+    online = None
+    if t.hidden_states in ("vllm", "hybrid"):
+        online = VLLMStateSource(
+            urls_for_rank(t.vllm_urls, rank, t.vllm_url_per_rank), t.vllm_states_dir, aux_layer_ids,
+            text.num_hidden_layers, text.hidden_size, teacher, served_name=m.verifier, dtype=dtype,
+            max_document_length=config.data.max_seq_length, concurrency=t.vllm_concurrency, timeout=t.vllm_timeout,
+            retries=t.vllm_retries, max_failures=t.vllm_max_failures)
+        online.check()
+        if t.hidden_states == "vllm":
+            return online
+    from trainer.states_cache import HybridSource, StatesCache
+
+    cache = StatesCache(t.states_cache_dir, teacher=teacher, aux_layer_ids=aux_layer_ids)
+    return cache if online is None else HybridSource(cache, online)
+
+
+def source_report(source: HiddenStateSource) -> dict:
+    """What the summary records of where the states came from (the hybrid's shares, the servers' counters)."""
+    report = {"source": type(source).__name__}
+    if hasattr(source, "report"):
+        logger.info("%s", source.report())
+        report["report"] = source.report()
+    if hasattr(source, "share"):
+        report["cached_token_share"] = source.share()
+    for part in (source, getattr(source, "fallback", None)):
+        if isinstance(part, VLLMStateSource):
+            report["vllm"] = dict(part.stats)
+    return report
 
 
 def build_objective(config: RunConfig, block_size: int | None = None):
@@ -390,7 +451,7 @@ def build_drafter(config: RunConfig, verifier, tokenizer, vocab_ids) -> DSparkDr
         if vocab_ids is not None:
             drafter.set_draft_vocab(vocab_ids)
     drafter.attach_verifier(verifier)
-    return drafter.to(verifier.device)
+    return drafter.to(verifier.get_input_embeddings().weight.device)  # (the shell's decoder layers are on meta)
 
 
 def len_vocab(verifier_path: str) -> int:

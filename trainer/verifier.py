@@ -96,3 +96,78 @@ def resolve_pretrained(name: str, what: str = "verifier", trust_remote_code: boo
         raise UsageError(f"cannot read the config of {what} {name} from the Hub ({' '.join(str(e).split())[:160]}); "
                          f"check the id and your access (`hf auth login`), or pass a local directory.") from e
     return path, config
+
+
+def load_verifier_shell(name_or_path: str, dtype: str = "auto", device: str | torch.device | None = None) -> nn.Module:
+    """The verifier with only the weights the trainer needs when its hidden states come from elsewhere (a vLLM
+    server, an offline cache): the input embedding and output head (which the drafter shares) and the final
+    norm (the teacher's). Everything else, the decoder layers included, stays on the meta device, so each rank
+    holds a few hundred MB instead of the whole verifier, and a forward through it fails instead of computing
+    garbage. The tensors are read from the checkpoint's safetensors files by name (the model's own parameter
+    names, or the one checkpoint key ending with the same suffix)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.utils import cached_file
+
+    from modeling_dspark import verifier_decoder
+
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    target_dtype = torch_dtype(dtype, device)
+    config = AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=target_dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+
+    index = cached_file(name_or_path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        folder = os.path.dirname(index)
+    else:
+        single = cached_file(name_or_path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if not single:
+            raise FileNotFoundError(f"verifier {name_or_path} has no model.safetensors(.index.json); save it with "
+                                    f"save_pretrained (safetensors) to train from served or cached hidden states.")
+        folder = os.path.dirname(single)
+        with safe_open(single, "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def read(name: str) -> torch.Tensor:
+        key = name if name in weight_map else None
+        if key is None:  # checkpoints written by another class nest the same module under another prefix
+            tail = name.split(".", 1)[-1] if name.startswith("model.") else name
+            matches = [k for k in weight_map if k.endswith("." + tail) or k == tail]
+            if len(matches) != 1:
+                raise KeyError(f"verifier {name_or_path}: cannot find the tensor {name} in its safetensors files "
+                               f"({len(matches)} candidates); pass a checkpoint saved by transformers' save_pretrained.")
+            key = matches[0]
+        with safe_open(os.path.join(folder, weight_map[key]), "pt", device="cpu") as f:
+            return f.get_tensor(key).to(device=device, dtype=target_dtype)
+
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # a tied tensor under its first (checkpoint) name
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and (head.weight is embedding.weight or bool(getattr(
+        config.get_text_config(), "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))))
+    norm = verifier_decoder(model).norm
+    loaded: dict[int, nn.Parameter] = {}
+    for module in (embedding, norm, None if tied else head):
+        if module is None:
+            continue
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in loaded:
+                loaded[id(param)] = nn.Parameter(read(names[id(param)]), requires_grad=False)
+            module._parameters[attr] = loaded[id(param)]
+    if tied:
+        head.weight = embedding.weight
+    stray = [n for n, b in norm.named_buffers() if b.is_meta]
+    if stray:
+        raise RuntimeError(f"the final norm of verifier {name_or_path} has buffers {stray} that are not in its "
+                           f"checkpoint; train with the in-process source (train.hidden_states: in_process).")
+    return model

@@ -1,0 +1,300 @@
+"""Verifier hidden states from running vLLM servers, fetched on demand and deleted after use.
+
+    collator (one batch ahead) ── prefetch(batch) ──> thread pool: one request per document
+        POST <url>/v1/completions {prompt: token ids, max_tokens: 1}   (spread over the URLs, retried)
+        <- kv_transfer_params.hidden_states_path        the server's connector writes the file
+        flock(<file>.lock, shared)                      the writer holds it exclusively until the file is complete
+        load + validate (token ids equal the request, [n, k+1, H], finite), delete the file and its lock
+    trainer step ── states(batch) ──> the documents' futures (or fresh requests) packed into the batch's rows
+
+The servers run the command `python -m trainer.vllm_server` prints (extract_hidden_states, the aux ids plus
+the last layer). `check()` runs before the first step and reports, one sentence each, a server that is down,
+serves another model or a too-short context, was started without the connector or with other layers, or
+writes to a directory this machine cannot see. The last layer is checked against the verifier itself: the
+teacher's next-token choice on the probe must be the server's own generated token. Failures are retried with
+backoff on the next URL; `max_failures` consecutive failures, or one document failing all its attempts, stop
+the run with the last cause. A document's states depend on its ids only, so the source holds no per-row state.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from trainer.errors import DSparkError
+from trainer.hidden_states import DocumentStateSource, document_key
+from trainer.objective import Teacher
+
+logger = logging.getLogger("dspark")
+SERVER_HINT = "start it with the command `python -m trainer.vllm_server --config <run config>` prints"
+
+
+class VLLMStatesError(DSparkError):
+    """A server or a hidden-state file failed in a way retries did not fix (exit status 1)."""
+
+
+class BadStatesFile(Exception):
+    """A hidden-state file that exists but cannot be used (retried: another request writes a new file)."""
+
+
+def read_states_file(path: str, token_ids: torch.Tensor, num_layers: int, hidden_size: int,
+                     lock_timeout: float = 60.0) -> torch.Tensor:
+    """Wait for the writer's lock, load `hidden_states [n, num_layers, H]` and check it against the request:
+    the token ids it was computed for, its shape and finite values. Raises `BadStatesFile` with one sentence."""
+    lock = path + ".lock"
+    deadline = time.monotonic() + lock_timeout
+    try:
+        with open(lock) as handle:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise BadStatesFile(f"{path} was still being written after {lock_timeout:.0f} s (its lock is "
+                                            f"held); the server may be overloaded or stuck.") from None
+                    time.sleep(0.005)
+            data = load_file(path)
+    except FileNotFoundError as e:
+        raise BadStatesFile(f"{e.filename} does not exist (truncated, deleted, or written elsewhere).") from e
+    except (SafetensorError, OSError) as e:
+        raise BadStatesFile(f"{path} is not a readable safetensors file ({' '.join(str(e).split())[:120]}); it is "
+                            f"truncated or corrupt.") from e
+    states, ids = data.get("hidden_states"), data.get("token_ids")
+    if states is None or ids is None:
+        raise BadStatesFile(f"{path} holds {sorted(data)}, not hidden_states and token_ids.")
+    if ids.shape != token_ids.shape or not torch.equal(ids.to(torch.long), token_ids.to(torch.long)):
+        raise BadStatesFile(f"{path} holds the states of other token ids than the request's ({ids.numel()} ids, "
+                            f"{token_ids.numel()} sent).")
+    if tuple(states.shape) != (token_ids.numel(), num_layers, hidden_size):
+        raise BadStatesFile(f"{path} holds hidden_states of shape {list(states.shape)}, not "
+                            f"[{token_ids.numel()}, {num_layers}, {hidden_size}].")
+    if not bool(torch.isfinite(states).all()):
+        raise BadStatesFile(f"{path} holds non-finite hidden states.")
+    return states
+
+
+def remove_states_file(path: str) -> None:
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def urls_for_rank(urls: list[str], rank: int, per_rank: bool) -> list[str]:
+    """The URLs one training process uses: its own (`per_rank`: one server per data-parallel group) or all of
+    them, starting at a rank-dependent one so the ranks do not all queue on the first server."""
+    urls = [u.rstrip("/") for u in urls]
+    if per_rank:
+        return [urls[rank % len(urls)]]
+    start = rank % len(urls)
+    return urls[start:] + urls[:start]
+
+
+class VLLMStateSource(DocumentStateSource):
+    def __init__(self, urls: list[str], states_dir: str, aux_layer_ids: list[int], num_layers: int, hidden_size: int,
+                 teacher: Teacher, served_name: str, dtype: torch.dtype = torch.float32, *, max_document_length:
+                 int | None = None, concurrency: int = 8, timeout: float = 300.0, retries: int = 3,
+                 max_failures: int = 8, backoff: float = 0.5):
+        if not urls:
+            raise ValueError("no vLLM server URLs; pass train.vllm_urls.")
+        self.urls = list(urls)
+        self.states_dir = states_dir
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self._teacher = teacher
+        self.served_name = served_name
+        self.max_document_length = max_document_length
+        self.timeout, self.retries, self.max_failures, self.backoff = timeout, retries, max_failures, backoff
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dspark-vllm")
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._next_url = 0
+        self._consecutive_failures = 0
+        self.stats = {"requests": 0, "retries": 0, "tokens": 0, "seconds_waiting": 0.0}
+
+    # ------------------------------------------------------------------------------------------ interface
+    def teacher(self) -> Teacher:
+        return self._teacher
+
+    def prefetch(self, batch: dict[str, torch.Tensor]) -> None:
+        for ids in self.documents(batch)[1]:
+            self._submit(ids)
+
+    def document_states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        futures = [self._submit(ids) for ids in documents]
+        started = time.monotonic()
+        out = []
+        for ids, future in zip(documents, futures):
+            try:
+                states = future.result()
+            finally:
+                with self._lock:
+                    if self._pending.get(document_key(ids)) is future:
+                        del self._pending[document_key(ids)]
+            out.append(self._split(states))
+        self.stats["seconds_waiting"] += time.monotonic() - started
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Before the first step: every URL is up, serves this verifier with a long enough context, and
+        extracts exactly this run's layers into a directory this machine sees (one probe request each)."""
+        for url in self.urls:
+            models = self._get_json(url, "/v1/models")
+            served = [m for m in models.get("data", []) if isinstance(m, dict)]
+            names = {str(m.get(k)) for m in served for k in ("id", "root")}
+            if self.served_name not in names:
+                found = ", ".join(sorted({str(m.get("id")) for m in served})) or "nothing"
+                raise VLLMStatesError(f"the vLLM server {url} serves {found}, not the verifier {self.served_name}; "
+                                      f"point train.vllm_urls at a server of this verifier ({SERVER_HINT}).")
+            context = max((int(m.get("max_model_len") or 0) for m in served), default=0)
+            if self.max_document_length and context and context < self.max_document_length + 1:
+                raise VLLMStatesError(f"the vLLM server {url} serves a context of {context} tokens, shorter than this "
+                                      f"run's documents of up to {self.max_document_length} + 1; restart it with "
+                                      f"--max-model-len {self.max_document_length + 1} or more.")
+            probe = torch.arange(8, dtype=torch.long) + 100
+            response = self._post_completion(url, probe)
+            path = self._local_path(url, response)
+            try:
+                try:
+                    states = read_states_file(path, probe, len(self.aux_layer_ids) + 1, self.hidden_size, self.timeout)
+                except BadStatesFile as e:
+                    if "shape" in str(e):
+                        raise VLLMStatesError(
+                            f"the vLLM server {url} extracts other layers than this run needs ({str(e).rstrip('.')}); "
+                            f"restart it with "
+                            f"the layer ids {self.aux_layer_ids} + the last layer ({SERVER_HINT}).") from e
+                    raise VLLMStatesError(f"the vLLM server {url} wrote an unusable probe file: {e}") from e
+            finally:
+                remove_states_file(path)
+            self._check_last_layer(url, states, response)
+        logger.info("vLLM hidden states: %d server(s) %s, files in %s, layers %s + last", len(self.urls),
+                    ", ".join(self.urls), self.states_dir, self.aux_layer_ids)
+
+    def _check_last_layer(self, url: str, states: torch.Tensor, response: dict) -> None:
+        """The last extracted layer must be the verifier's last (pre-norm): its next-token logits, through this
+        run's teacher, must rank the server's own greedy token at the top (within a tie margin for bf16)."""
+        generated = (response.get("choices") or [{}])[0].get("token_ids") or []
+        weight = self._teacher.output_weight
+        if not generated or weight is None:
+            return
+        normed = self._teacher.normed(states[-1:, -1].to(weight.device))
+        logits = self._teacher.head_logits(normed, weight)[0].float()
+        margin = logits.max() - logits[int(generated[0])]
+        if float(margin) > 1e-2 * max(1.0, float(logits.abs().max())):
+            raise VLLMStatesError(f"the last layer the vLLM server {url} extracts is not this verifier's last layer "
+                                  f"(its greedy token {generated[0]} is not the teacher's top choice); restart it with "
+                                  f"the layer ids {self.aux_layer_ids} + {self.num_layers} ({SERVER_HINT}).")
+
+    # ------------------------------------------------------------------------------------------ requests
+    def _submit(self, ids: torch.Tensor) -> Future:
+        key = document_key(ids)
+        with self._lock:
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pool.submit(self._fetch, ids.clone())
+                self._pending[key] = future
+        return future
+
+    def _fetch(self, ids: torch.Tensor) -> torch.Tensor:
+        attempts, last_error = self.retries + 1, ""
+        for attempt in range(attempts):
+            url = self._url()
+            try:
+                response = self._post_completion(url, ids)
+                path = self._local_path(url, response)
+                try:
+                    states = read_states_file(path, ids, len(self.aux_layer_ids) + 1, self.hidden_size, self.timeout)
+                finally:
+                    remove_states_file(path)
+                with self._lock:
+                    self._consecutive_failures = 0
+                    self.stats["requests"] += 1
+                    self.stats["tokens"] += ids.numel()
+                return states
+            except (BadStatesFile, VLLMStatesError, OSError, ValueError) as e:
+                last_error = f"{url}: {' '.join(str(e).split())[:300]}"
+                with self._lock:
+                    self._consecutive_failures += 1
+                    self.stats["retries"] += 1
+                    failures = self._consecutive_failures
+                if failures >= self.max_failures:
+                    raise VLLMStatesError(f"{failures} hidden-state requests to the vLLM servers failed in a row (last: "
+                                          f"{last_error}); check the servers and their logs, then resume the run with "
+                                          f"--resume_from_checkpoint latest.") from e
+                logger.warning("hidden-state request failed (attempt %d of %d): %s", attempt + 1, attempts, last_error)
+                time.sleep(self.backoff * 2**attempt)
+        raise VLLMStatesError(f"a document of {ids.numel()} tokens failed all {attempts} hidden-state requests (last: "
+                              f"{last_error}); check the servers, then resume with --resume_from_checkpoint latest.")
+
+    def _url(self) -> str:
+        with self._lock:
+            url = self.urls[self._next_url % len(self.urls)]
+            self._next_url += 1
+        return url
+
+    def _post_completion(self, url: str, ids: torch.Tensor) -> dict:
+        body = {"model": self.served_name, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True}
+        return self._request(url, "/v1/completions", body)
+
+    def _local_path(self, url: str, response: dict) -> str:
+        """The file as this machine sees it: the server's file name inside `states_dir` (the server may mount
+        the shared directory elsewhere). A missing lock means the trainer does not see the server's directory."""
+        params = response.get("kv_transfer_params") or {}
+        remote = params.get("hidden_states_path")
+        if not remote:
+            raise VLLMStatesError(f"the vLLM server {url} answered without a hidden_states_path: it was started "
+                                  f"without the hidden-states connector or the extract_hidden_states method; "
+                                  f"{SERVER_HINT}.")
+        local = os.path.join(self.states_dir, os.path.basename(remote))
+        if not os.path.exists(local + ".lock") and not os.path.exists(local):
+            raise VLLMStatesError(f"the vLLM server {url} writes its hidden states to {os.path.dirname(remote)}, "
+                                  f"which this machine does not see as train.vllm_states_dir {self.states_dir}; "
+                                  f"start the server with that directory (shared storage) or point "
+                                  f"vllm_states_dir at the server's.")
+        return local
+
+    def _get_json(self, url: str, route: str) -> dict:
+        return self._request(url, route, None)
+
+    def _request(self, url: str, route: str, body: dict | None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            raise VLLMStatesError(f"the vLLM server {url} answered {route} with HTTP {e.code} ({' '.join(detail.split())})"
+                                  f"; check its log.") from e
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise VLLMStatesError(f"the vLLM server {url} is unreachable ({reason}); {SERVER_HINT}, or fix "
+                                  f"train.vllm_urls.") from e
+        except json.JSONDecodeError as e:
+            raise VLLMStatesError(f"the vLLM server {url} answered {route} with something other than JSON; is it a "
+                                  f"vLLM OpenAI-compatible server?") from e
+
+    def _split(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[n, k+1, H]` -> aux `[n, k*H]` (ascending ids, as the drafter concatenates them) and the last layer."""
+        states = states.to(self.dtype)
+        return states[:, :-1].reshape(states.shape[0], -1), states[:, -1]
