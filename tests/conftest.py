@@ -19,14 +19,25 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def vllm_python() -> str | None:
+    """The python of the vLLM environment (`make test-vllm` passes it; else the repo's .venv-vllm if present)."""
+    given = os.environ.get("DSPARK_VLLM_PYTHON")
+    if given:
+        return given
+    local = ROOT / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else None
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: without a device they are skipped (and say why), never silently passed."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (bf16 / flex attention on GPU)")
+    """`gpu` tests need CUDA and `vllm` tests the vLLM environment: without them they are skipped (and say
+    why), never silently passed."""
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (bf16 / flex attention on GPU)")
+    skip_vllm = pytest.mark.skip(reason="needs the vLLM environment (make test-vllm creates .venv-vllm)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "vllm" in item.keywords and vllm_python() is None:
+            item.add_marker(skip_vllm)
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,22 @@ def verifier_teacher(verifier: nn.Module) -> Teacher:
                    head.weight.detach() if head is not None else None)
 
 
+def aux_layer_ids_for_config(config, verifier_config) -> list[int]:
+    """The aux ids a run extracts: `model.aux_hidden_state_layer_ids`, or the drafter's default for this verifier
+    (configuration_dspark), checked against its layer count. Shared by training, the cache writer and the
+    extraction server's command, so all three ask for the same layers."""
+    from configuration_dspark import check_aux_layer_ids, default_aux_layer_ids
+    from trainer.errors import UsageError
+
+    layers = verifier_config.get_text_config().num_hidden_layers
+    try:
+        ids = config.model.aux_hidden_state_layer_ids or default_aux_layer_ids(layers)
+        check_aux_layer_ids(list(ids), layers)
+    except ValueError as e:
+        raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
+    return list(ids)
+
+
 def document_key(input_ids: torch.Tensor) -> str:
     """The key of one document's verifier states: a hash of its token ids (the states depend on nothing else,
     since every source runs each document on its own). Shared by the online source, the cache and its writer."""

@@ -62,7 +62,8 @@ from trainer.hidden_states import HiddenStateSource, InProcessVerifier, verifier
 from trainer.optim import MuonAdamWFactory  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
 from trainer.verifier import load_verifier, load_verifier_shell, resolve_pretrained  # noqa: E402
-from trainer.vllm_states import VLLMStateSource, urls_for_rank  # noqa: E402
+from trainer.vllm_states import VLLMStateSource  # noqa: E402
+from trainer.vllm_states import source_for_config as vllm_source_for_config  # noqa: E402
 from trainer.vocab import build_draft_vocab  # noqa: E402
 
 logger = logging.getLogger("dspark")
@@ -247,25 +248,17 @@ def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: in
     """The hidden-state source `train.hidden_states` names (trainer/hidden_states.py has the table). Online
     sources are checked here, before any training step: servers up, serving this verifier, extracting these
     layers into a directory this machine sees."""
-    t, m = config.train, config.model
+    t = config.train
     if t.hidden_states == "in_process":
         return InProcessVerifier(verifier, aux_layer_ids, max_tokens_per_forward=t.verifier_max_tokens_per_forward)
-    text = verifier.config.get_text_config()
-    teacher = verifier_teacher(verifier)
-    dtype = verifier.get_input_embeddings().weight.dtype
     online = None
     if t.hidden_states in ("vllm", "hybrid"):
-        online = VLLMStateSource(
-            urls_for_rank(t.vllm_urls, rank, t.vllm_url_per_rank), t.vllm_states_dir, aux_layer_ids,
-            text.num_hidden_layers, text.hidden_size, teacher, served_name=m.verifier, dtype=dtype,
-            max_document_length=config.data.max_seq_length, concurrency=t.vllm_concurrency, timeout=t.vllm_timeout,
-            retries=t.vllm_retries, max_failures=t.vllm_max_failures)
-        online.check()
+        online = vllm_source_for_config(config, verifier, aux_layer_ids, rank)
         if t.hidden_states == "vllm":
             return online
     from trainer.states_cache import HybridSource, StatesCache
 
-    cache = StatesCache(t.states_cache_dir, teacher=teacher, aux_layer_ids=aux_layer_ids)
+    cache = StatesCache(t.states_cache_dir, teacher=verifier_teacher(verifier), aux_layer_ids=aux_layer_ids)
     return cache if online is None else HybridSource(cache, online)
 
 

@@ -104,18 +104,14 @@ def spec_for_config(config, states_dir: str, device: str = "gpu", port: int = 80
                     **kwargs) -> ServerSpec:
     """The server for a run config: its verifier, aux ids (or the default ones) plus the last layer, dtype
     (`model.verifier_dtype`; auto is bf16 on GPU, fp32 on CPU) and the longest document + 1 token."""
-    from configuration_dspark import check_aux_layer_ids, default_aux_layer_ids
     from trainer.errors import UsageError
+    from trainer.hidden_states import aux_layer_ids_for_config
     from trainer.verifier import resolve_pretrained
 
     m = config.model
     path, vconfig = resolve_pretrained(m.verifier, "verifier")
     layers = vconfig.get_text_config().num_hidden_layers
-    ids = list(m.aux_hidden_state_layer_ids or default_aux_layer_ids(layers))
-    try:
-        check_aux_layer_ids(ids, layers)
-    except ValueError as e:
-        raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
+    ids = aux_layer_ids_for_config(config, vconfig)
     dtype = m.verifier_dtype if m.verifier_dtype != "auto" else ("bfloat16" if device == "gpu" else "float32")
     if device not in ("gpu", "cpu"):
         raise UsageError(f"--device must be gpu or cpu (got {device!r}).")

@@ -298,3 +298,22 @@ class VLLMStateSource(DocumentStateSource):
         """`[n, k+1, H]` -> aux `[n, k*H]` (ascending ids, as the drafter concatenates them) and the last layer."""
         states = states.to(self.dtype)
         return states[:, :-1].reshape(states.shape[0], -1), states[:, -1]
+
+
+def source_for_config(config, verifier, aux_layer_ids: list[int], rank: int = 0, check: bool = True) -> VLLMStateSource:
+    """The online source of a run config (`train.vllm_*`) for one training process, checked against the servers
+    unless `check` is false. `verifier` is the full verifier or `load_verifier_shell`'s (only its config,
+    embedding dtype and teacher tensors are read). Used by training and by the cache writer."""
+    from trainer.hidden_states import verifier_teacher
+
+    t = config.train
+    text = verifier.config.get_text_config()
+    source = VLLMStateSource(
+        urls_for_rank(t.vllm_urls, rank, t.vllm_url_per_rank), t.vllm_states_dir, aux_layer_ids,
+        text.num_hidden_layers, text.hidden_size, verifier_teacher(verifier), served_name=config.model.verifier,
+        dtype=verifier.get_input_embeddings().weight.dtype, max_document_length=config.data.max_seq_length,
+        concurrency=t.vllm_concurrency, timeout=t.vllm_timeout, retries=t.vllm_retries,
+        max_failures=t.vllm_max_failures)
+    if check:
+        source.check()
+    return source

