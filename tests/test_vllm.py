@@ -119,7 +119,32 @@ def test_in_process_vllm_and_cache_sources_give_the_same_batches(server, shell, 
         assert torch.equal(cached.aux_hidden_states, ours.aux_hidden_states)
         assert torch.equal(cached.last_hidden_state, ours.last_hidden_state)
     source.close()
+    # Prefetch (what the collator does one batch ahead): the requests run in the background, and the step then
+    # takes the finished states without another request.
+    ahead = online(server, shell)
+    ahead.prefetch(batches[0])
+    deadline = time.monotonic() + 120
+    while not all(f.done() for f in list(ahead._pending.values())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    documents_in_batch = ahead.stats["requests"]
+    assert documents_in_batch == len(ahead.documents(batches[0])[1]) > 1
+    prefetched = ahead.states(batches[0])
+    assert ahead.stats["requests"] == documents_in_batch and not ahead._pending
+    assert torch.equal(prefetched.aux_hidden_states, report["vllm"][0].aux_hidden_states)
+    ahead.close()
     assert os.listdir(server.states_dir) == []  # every file and lock deleted after use
+
+
+def test_a_server_without_the_connector_is_reported(shell, tmp_path):
+    spec = spec_for_config(demo_config(), str(tmp_path / "hs"), device="cpu", port=free_port(), max_num_seqs=2,
+                           extract=False)  # the same verifier, served without extraction
+    assert "--kv-transfer-config" not in spec.argv()
+    with ServerProcess(spec, vllm_python(), str(tmp_path / "plain.log")) as process:
+        process.wait_ready(timeout=400)
+        with pytest.raises(VLLMStatesError, match=rf"the vLLM server {spec.url} answered without a hidden_states_path: "
+                                                  r"it was started without the hidden-states connector"):
+            VLLMStateSource([spec.url], spec.states_dir, [2, 15, 27], 30, 576, verifier_teacher(shell),
+                            spec.served_name).check()
 
 
 def test_misconfigured_servers_are_reported_before_training(server, shell, tmp_path):

@@ -100,9 +100,11 @@ def test_an_unreachable_server_is_named_before_training_and_stops_a_run_after_bo
 
 def test_urls_are_spread_or_assigned_per_rank():
     urls = ["http://a:1/", "http://b:1", "http://c:1"]
-    assert urls_for_rank(urls, 0, False) == ["http://a:1", "http://b:1", "http://c:1"]
-    assert urls_for_rank(urls, 4, False) == ["http://b:1", "http://c:1", "http://a:1"]
-    assert urls_for_rank(urls, 4, True) == ["http://b:1"]
+    assert urls_for_rank(urls, 0, 6, False) == ["http://a:1", "http://b:1", "http://c:1"]
+    assert urls_for_rank(urls, 4, 6, False) == ["http://b:1", "http://c:1", "http://a:1"]
+    # one server per node of two ranks: ranks 0-1 -> a, 2-3 -> b, 4-5 -> c
+    assert [urls_for_rank(urls, r, 6, True) for r in range(6)] == [["http://a:1"]] * 2 + [["http://b:1"]] * 2 + \
+        [["http://c:1"]] * 2
 
 
 def test_server_command_extracts_the_runs_layers_plus_the_last(chat_verifier_dir, tmp_path):

@@ -149,7 +149,7 @@ class TrainArgs:
     hidden_states: str = "in_process"
     vllm_urls: list[str] = field(default_factory=list)  # e.g. [http://10.0.0.5:8000]; spread over, or one per rank
     vllm_states_dir: str | None = None  # the servers' shared_storage_path, as the trainer's machine sees it
-    vllm_url_per_rank: bool = False  # true: rank r uses only vllm_urls[r % len] (one server per data-parallel group)
+    vllm_url_per_rank: bool = False  # true: consecutive ranks share one URL (one server per node, in node order)
     vllm_concurrency: int = 8  # requests in flight per training process
     vllm_timeout: float = 300.0  # seconds per request (HTTP answer + the file's lock)
     vllm_retries: int = 3  # further attempts per document (on another URL when there is one), with backoff

@@ -137,7 +137,8 @@ def train(config: RunConfig) -> dict:
                     m.verifier, verifier_path, t.hidden_states)
         verifier = load_verifier_shell(verifier_path, dtype=m.verifier_dtype, device=args.device)
     drafter = build_drafter(config, verifier, tokenizer, vocab_ids)
-    source = build_source(config, verifier, drafter.config.aux_hidden_state_layer_ids, args.process_index)
+    source = build_source(config, verifier, drafter.config.aux_hidden_state_layer_ids, args.process_index,
+                          args.world_size)
     attn = m.attn_implementation
     if attn == "auto":
         attn = "flex_attention" if args.device.type == "cuda" else "sdpa"
@@ -187,8 +188,10 @@ def train(config: RunConfig) -> dict:
         args=args,
         train_dataset=train_data,
         eval_dataset=eval_data,
-        data_collator=DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0,
-                                     on_batch=getattr(source, "prefetch", None)),
+        # A source with latency fetches each batch while the previous one trains (not under the in-memory row
+        # cache, which would fetch rows it already holds).
+        data_collator=DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0, on_batch=None if
+                                     t.cache_verifier_states_gb else getattr(source, "prefetch", None)),
         optimizer_cls_and_kwargs=optimizer,
         source=source,
         objective=build_objective(config, drafter.config.block_size),
@@ -244,7 +247,8 @@ def prepare_data(config: RunConfig, tokenizer):
     return train_set, validation_set, stats
 
 
-def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: int) -> HiddenStateSource:
+def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: int = 0,
+                 world_size: int = 1) -> HiddenStateSource:
     """The hidden-state source `train.hidden_states` names (trainer/hidden_states.py has the table). Online
     sources are checked here, before any training step: servers up, serving this verifier, extracting these
     layers into a directory this machine sees."""
@@ -253,7 +257,7 @@ def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: in
         return InProcessVerifier(verifier, aux_layer_ids, max_tokens_per_forward=t.verifier_max_tokens_per_forward)
     online = None
     if t.hidden_states in ("vllm", "hybrid"):
-        online = vllm_source_for_config(config, verifier, aux_layer_ids, rank)
+        online = vllm_source_for_config(config, verifier, aux_layer_ids, rank, world_size)
         if t.hidden_states == "vllm":
             return online
     from trainer.states_cache import HybridSource, StatesCache

@@ -52,6 +52,7 @@ class ServerSpec:
     data_parallel_size: int = 1
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    extract: bool = True  # False: the verifier alone, no extraction (a baseline server)
 
     def speculative_config(self) -> dict:
         return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -69,9 +70,10 @@ class ServerSpec:
         head = ["vllm", "serve", self.verifier] if self.device == "gpu" else [
             python or "python", "-m", "vllm.entrypoints.openai.api_server", "--model", self.verifier]
         args = [*head, "--served-model-name", self.served_name, "--host", self.host, "--port", str(self.port),
-                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-                "--speculative-config", json.dumps(self.speculative_config(), separators=(",", ":")),
-                "--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len)]
+        if self.extract:
+            args += ["--speculative-config", json.dumps(self.speculative_config(), separators=(",", ":")),
+                     "--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.data_parallel_size > 1:

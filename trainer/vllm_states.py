@@ -93,12 +93,14 @@ def remove_states_file(path: str) -> None:
             pass
 
 
-def urls_for_rank(urls: list[str], rank: int, per_rank: bool) -> list[str]:
-    """The URLs one training process uses: its own (`per_rank`: one server per data-parallel group) or all of
-    them, starting at a rank-dependent one so the ranks do not all queue on the first server."""
+def urls_for_rank(urls: list[str], rank: int, world_size: int, per_rank: bool) -> list[str]:
+    """The URLs one training process uses. `per_rank`: one server per group of consecutive ranks (rank r of W
+    uses `urls[r * len(urls) // W]`), so with one server per node, listed in node order, every rank talks to its
+    own node's server (and reads its node-local files). Otherwise all of them, starting at a rank-dependent one so
+    the ranks do not all queue on the first server."""
     urls = [u.rstrip("/") for u in urls]
     if per_rank:
-        return [urls[rank % len(urls)]]
+        return [urls[rank * len(urls) // max(world_size, 1)]]
     start = rank % len(urls)
     return urls[start:] + urls[:start]
 
@@ -300,7 +302,8 @@ class VLLMStateSource(DocumentStateSource):
         return states[:, :-1].reshape(states.shape[0], -1), states[:, -1]
 
 
-def source_for_config(config, verifier, aux_layer_ids: list[int], rank: int = 0, check: bool = True) -> VLLMStateSource:
+def source_for_config(config, verifier, aux_layer_ids: list[int], rank: int = 0, world_size: int = 1,
+                      check: bool = True) -> VLLMStateSource:
     """The online source of a run config (`train.vllm_*`) for one training process, checked against the servers
     unless `check` is false. `verifier` is the full verifier or `load_verifier_shell`'s (only its config,
     embedding dtype and teacher tensors are read). Used by training and by the cache writer."""
@@ -309,7 +312,7 @@ def source_for_config(config, verifier, aux_layer_ids: list[int], rank: int = 0,
     t = config.train
     text = verifier.config.get_text_config()
     source = VLLMStateSource(
-        urls_for_rank(t.vllm_urls, rank, t.vllm_url_per_rank), t.vllm_states_dir, aux_layer_ids,
+        urls_for_rank(t.vllm_urls, rank, world_size, t.vllm_url_per_rank), t.vllm_states_dir, aux_layer_ids,
         text.num_hidden_layers, text.hidden_size, verifier_teacher(verifier), served_name=config.model.verifier,
         dtype=verifier.get_input_embeddings().weight.dtype, max_document_length=config.data.max_seq_length,
         concurrency=t.vllm_concurrency, timeout=t.vllm_timeout, retries=t.vllm_retries,
