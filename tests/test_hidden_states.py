@@ -59,3 +59,24 @@ def test_row_cache_returns_the_same_states_and_respects_its_budget(qwen3_verifie
     tiny.states(batch)
     tiny.states(batch)
     assert calls["n"] == 3 and tiny.bytes == 0  # over budget: nothing kept, recomputed
+
+
+def test_verifier_shell_holds_exactly_the_embedding_norm_and_head(verifier, tmp_path):
+    """The trainer's verifier when states come from servers or a cache: the tensors the drafter and the teacher
+    read are the checkpoint's, everything else stays on meta (Gemma 4's composite layout and tied head too)."""
+    from modeling_dspark import verifier_decoder
+    from trainer.hidden_states import verifier_teacher
+    from trainer.verifier import load_verifier_shell
+
+    verifier.save_pretrained(tmp_path)
+    shell = load_verifier_shell(str(tmp_path), "float32", "cpu")
+    assert torch.equal(shell.get_input_embeddings().weight, verifier.get_input_embeddings().weight)
+    assert torch.equal(shell.get_output_embeddings().weight, verifier.get_output_embeddings().weight)
+    assert torch.equal(verifier_decoder(shell).norm.weight, verifier_decoder(verifier).norm.weight)
+    assert all(p.is_meta for p in verifier_decoder(shell).layers.parameters())
+    states = InProcessVerifier(verifier, [1, 2]).states({
+        "input_ids": torch.randint(0, VOCAB, (1, 12)), "document_ids": torch.zeros(1, 12, dtype=torch.long)})
+    ours, ref = verifier_teacher(shell), verifier_teacher(verifier)
+    assert ours.softcap == ref.softcap
+    assert torch.equal(ours.head_logits(ours.normed(states.last_hidden_state), ours.output_weight),
+                       ref.head_logits(ref.normed(states.last_hidden_state), ref.output_weight))

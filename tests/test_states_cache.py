@@ -282,3 +282,30 @@ def test_command_caches_every_document_training_asks_for(chat_verifier_dir, chat
     assert run_cli(states_cache.main, overrides) == 2
     assert capsys.readouterr().err.strip() == ("error: no --cache_dir was given; pass the directory to write the "
                                                "cache into, e.g. --cache_dir out/states-cache.")
+
+
+@pytest.mark.slow
+def test_training_from_the_cache_matches_training_with_the_verifier_in_process(chat_verifier_dir, chat_data_file,
+                                                                              tmp_path):
+    """The same run twice: states from the in-process verifier, then from the cache the command wrote (the
+    trainer then loads only the verifier's embedding, norm and head). Same losses and metrics."""
+    from test_train import TINY
+
+    from trainer.config import RunConfig
+    from trainer.run import train
+
+    run = ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, *TINY, "--max_steps", "4",
+           "--eval_steps", "4", "--eval_at_start", "false", "--calibrate_confidence", "false"]
+    states_cache.main([*run, "--cache_dir", str(tmp_path / "cache"), "--aux_hidden_state_layer_ids", "[1, 2]"])
+    results = {}
+    for name, extra in (("in_process", []), ("cache", ["--hidden_states", "cache", "--states_cache_dir",
+                                                       str(tmp_path / "cache")])):
+        config = RunConfig.load(None, [*run, "--aux_hidden_state_layer_ids", "[1, 2]", "--output_dir",
+                                       str(tmp_path / name), *extra])
+        train(config)
+        results[name] = json.loads((tmp_path / name / "dspark_train_summary.json").read_text())
+    ours, ref = results["cache"], results["in_process"]
+    assert ours["hidden_states"]["source"] == "StatesCache" and ref["hidden_states"]["source"] == "InProcessVerifier"
+    assert ours["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5)
+    for key in ("eval_loss", "eval_accept_len", "eval_tv"):
+        assert ours["final_metrics"][key] == pytest.approx(ref["final_metrics"][key], rel=1e-5), key
