@@ -52,7 +52,8 @@ class ServerSpec:
     data_parallel_size: int = 1
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
-    extract: bool = True  # False: the verifier alone, no extraction (a baseline server)
+    extract: bool = True  # False: no extraction (the verifier alone, or serving `speculative`)
+    speculative: dict | None = None  # with extract False: a --speculative-config that serves a drafter
 
     def speculative_config(self) -> dict:
         return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -74,6 +75,8 @@ class ServerSpec:
         if self.extract:
             args += ["--speculative-config", json.dumps(self.speculative_config(), separators=(",", ":")),
                      "--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
+        elif self.speculative:
+            args += ["--speculative-config", json.dumps(self.speculative, separators=(",", ":"))]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.data_parallel_size > 1:

@@ -19,30 +19,25 @@ the run with the last cause. A document's states depend on its ids only, so the 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from trainer.errors import DSparkError
 from trainer.hidden_states import DocumentStateSource, document_key
 from trainer.objective import Teacher
+from trainer.vllm_http import VLLMServerError, check_serves, request_json
 
 logger = logging.getLogger("dspark")
 SERVER_HINT = "start it with the command `python -m trainer.vllm_server --config <run config>` prints"
 
 
-class VLLMStatesError(DSparkError):
-    """A server or a hidden-state file failed in a way retries did not fix (exit status 1)."""
-
+VLLMStatesError = VLLMServerError  # a server or its hidden-state files failed in a way retries did not fix
 
 class BadStatesFile(Exception):
     """A hidden-state file that exists but cannot be used (retried: another request writes a new file)."""
@@ -160,14 +155,9 @@ class VLLMStateSource(DocumentStateSource):
         """Before the first step: every URL is up, serves this verifier with a long enough context, and
         extracts exactly this run's layers into a directory this machine sees (one probe request each)."""
         for url in self.urls:
-            models = self._get_json(url, "/v1/models")
-            served = [m for m in models.get("data", []) if isinstance(m, dict)]
-            names = {str(m.get(k)) for m in served for k in ("id", "root")}
-            if self.served_name not in names:
-                found = ", ".join(sorted({str(m.get("id")) for m in served})) or "nothing"
-                raise VLLMStatesError(f"the vLLM server {url} serves {found}, not the verifier {self.served_name}; "
-                                      f"point train.vllm_urls at a server of this verifier ({SERVER_HINT}).")
-            context = max((int(m.get("max_model_len") or 0) for m in served), default=0)
+            model = check_serves(url, {self.served_name}, hint=f"point train.vllm_urls at a server of this verifier "
+                                 f"({SERVER_HINT})", timeout=min(self.timeout, 60.0))
+            context = int(model.get("max_model_len") or 0)
             if self.max_document_length and context and context < self.max_document_length + 1:
                 raise VLLMStatesError(f"the vLLM server {url} serves a context of {context} tokens, shorter than this "
                                       f"run's documents of up to {self.max_document_length} + 1; restart it with "
@@ -275,26 +265,8 @@ class VLLMStateSource(DocumentStateSource):
                                   f"vllm_states_dir at the server's.")
         return local
 
-    def _get_json(self, url: str, route: str) -> dict:
-        return self._request(url, route, None)
-
     def _request(self, url: str, route: str, body: dict | None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise VLLMStatesError(f"the vLLM server {url} answered {route} with HTTP {e.code} ({' '.join(detail.split())})"
-                                  f"; check its log.") from e
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise VLLMStatesError(f"the vLLM server {url} is unreachable ({reason}); {SERVER_HINT}, or fix "
-                                  f"train.vllm_urls.") from e
-        except json.JSONDecodeError as e:
-            raise VLLMStatesError(f"the vLLM server {url} answered {route} with something other than JSON; is it a "
-                                  f"vLLM OpenAI-compatible server?") from e
+        return request_json(url, route, body, timeout=self.timeout, hint=f"{SERVER_HINT}, or fix train.vllm_urls")
 
     def _split(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[n, k+1, H]` -> aux `[n, k*H]` (ascending ids, as the drafter concatenates them) and the last layer."""

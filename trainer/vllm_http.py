@@ -1,0 +1,126 @@
+"""Talking to a running vLLM OpenAI-compatible server: one home for the requests, the errors and the checks
+that every vLLM backend shares (hidden states, regeneration, serving evaluation).
+
+    request_json(url, route, body)     GET (body None) or POST JSON; failures as one sentence naming the URL
+    check_serves(url, names)           `/v1/models` lists one of `names` (as id or root), else one sentence
+    stream_chat(url, body)             a streamed chat completion: text, completion tokens, seconds, finish reason
+    scrape_metrics(url)                `/metrics` (Prometheus text) as {name: {labels: value}}
+
+Only the standard library: these run in the trainer's processes, which need no HTTP package of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from trainer.errors import DSparkError
+
+
+class VLLMServerError(DSparkError):
+    """A vLLM server is unreachable, answered an error, or is not the server the run needs (exit status 1)."""
+
+
+def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = ""):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        detail = " ".join(e.read()[:300].decode(errors="replace").split())
+        raise VLLMServerError(f"the vLLM server {url} answered {route} with HTTP {e.code} ({detail}); check the "
+                              f"request and the server's log.") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise VLLMServerError(f"the vLLM server {url} is unreachable ({getattr(e, 'reason', e)}); "
+                              f"{hint or 'start it, or pass the URL of a running one'}.") from e
+
+
+def request_json(url: str, route: str, body: dict | None = None, timeout: float = 300.0, hint: str = "") -> dict:
+    with _open(url, route, body, timeout, hint) as response:
+        raw = response.read()
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise VLLMServerError(f"the vLLM server {url} answered {route} with something other than JSON; is it a vLLM "
+                              f"OpenAI-compatible server?") from e
+
+
+def check_serves(url: str, names: set[str], what: str = "the verifier", hint: str = "", timeout: float = 60.0) -> dict:
+    """The `/v1/models` entry of `url` whose id or root is one of `names`; otherwise one sentence naming what
+    the server serves. Returns the entry (its `max_model_len` bounds the requests)."""
+    models = [m for m in request_json(url, "/v1/models", timeout=timeout, hint=hint).get("data", [])
+              if isinstance(m, dict)]
+    for model in models:
+        if {str(model.get("id")), str(model.get("root"))} & names:
+            return model
+    found = ", ".join(sorted({str(m.get("id")) for m in models})) or "nothing"
+    wanted = " or ".join(sorted(names))
+    raise VLLMServerError(f"the vLLM server {url} serves {found}, not {what} {wanted}; "
+                          f"{hint or 'point the command at a server of it'}.")
+
+
+@dataclass
+class StreamedCompletion:
+    text: str
+    completion_tokens: int  # the server's count (usage), not a re-tokenisation
+    seconds: float  # from sending the request to the last chunk
+    first_token_seconds: float | None
+    finish_reason: str | None
+
+
+def stream_chat(url: str, body: dict, timeout: float = 600.0) -> StreamedCompletion:
+    """One streamed `/v1/chat/completions` request, timed on the client (what a user waits for)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first, text, tokens, finish = None, [], None, None
+    with _open(url, "/v1/chat/completions", body, timeout) as response:
+        for raw in response:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first if first is not None else time.perf_counter() - started
+                    text.append(piece)
+                finish = choice.get("finish_reason") or finish
+            usage = chunk.get("usage")
+            if usage:
+                tokens = int(usage.get("completion_tokens") or 0)
+    seconds = time.perf_counter() - started
+    if tokens is None:
+        raise VLLMServerError(f"the vLLM server {url} streamed no usage counts (stream_options.include_usage); use "
+                              f"a vLLM version that supports it (0.31 or newer).")
+    return StreamedCompletion("".join(text), tokens, seconds, first, finish)
+
+
+def scrape_metrics(url: str, timeout: float = 60.0) -> dict[str, dict[tuple, float]]:
+    """`/metrics` as `{metric name: {sorted label pairs: value}}` (comments skipped)."""
+    with _open(url, "/metrics", None, timeout) as response:
+        text = response.read().decode(errors="replace")
+    out: dict[str, dict[tuple, float]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, labels = head, ()
+        if "{" in head:
+            name, rest = head.split("{", 1)
+            pairs = []
+            for item in rest.rstrip("}").split('",'):
+                if "=" in item:
+                    key, val = item.split("=", 1)
+                    pairs.append((key.strip(), val.strip().strip('"')))
+            labels = tuple(sorted(pairs))
+        try:
+            out.setdefault(name, {})[labels] = float(value)
+        except ValueError:
+            continue
+    return out
