@@ -142,3 +142,21 @@ def test_another_drafter_server_is_compared_and_a_server_without_counters_is_rep
     with pytest.raises(VLLMServerError, match=rf"the vLLM server {servers['baseline']} exposes no spec-decode "
                                               r"counters at /metrics"):
         vllm_eval(["--server", servers["baseline"], "--prompts", prompts, "--out", str(tmp_path / "x.json")])
+
+
+def test_the_serving_fidelity_script_runs_end_to_end(drafter, tmp_path):
+    """scripts/vllm_serving_fidelity.py in its CPU mode: both servers, the serving evaluation, the in-process
+    evaluator at T = 0 on the same prompts, and the per-subset comparison (the GPU run uses the same code)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "scripts" / "vllm_serving_fidelity.py")
+    fidelity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fidelity)
+    report = fidelity.main(["--drafter", drafter, "--prompts", prompt_dir(tmp_path), "--subsets", "question",
+                            "--max-prompts", "1", "--max-new-tokens", "12", "--max-model-len", "1024",
+                            "--vllm-python", vllm_python(), "--out", str(tmp_path / "fidelity"), "--cpu-smoke"])
+    (row,) = report["subsets"]
+    assert row["subset"] == "question" and row["difference"] == pytest.approx(row["served"] - row["in_process"])
+    assert json.loads((tmp_path / "fidelity" / "fidelity.json").read_text())["subsets"] == report["subsets"]
+    for name in ("vllm.json", "vllm.md", "in_process.json"):
+        assert (tmp_path / "fidelity" / name).exists()

@@ -55,6 +55,14 @@ class ServerSpec:
     extract: bool = True  # False: no extraction (the verifier alone, or serving `speculative`)
     speculative: dict | None = None  # with extract False: a --speculative-config that serves a drafter
 
+    @classmethod
+    def serving(cls, model: str, served_name: str, max_model_len: int, *, speculative: dict | None = None,
+                **kwargs) -> ServerSpec:
+        """A server that generates (no extraction): the verifier alone, a drafter in the short form
+        (`model` = the drafter), or the verifier with a `speculative` config (the long form)."""
+        return cls(verifier=model, served_name=served_name, layer_ids=[], states_dir="", max_model_len=max_model_len,
+                   extract=False, speculative=speculative, **kwargs)
+
     def speculative_config(self) -> dict:
         return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(self.layer_ids)}}}
@@ -134,7 +142,8 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
-        os.makedirs(self.spec.states_dir, exist_ok=True)
+        if self.spec.states_dir:
+            os.makedirs(self.spec.states_dir, exist_ok=True)
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.spec.argv(self.python), env={**os.environ, **self.spec.env()},
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
