@@ -174,7 +174,7 @@ def document_segments(document_ids: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 # ================================================================================================
-# 3. Sampling: filtering, drawing, defaults from a generation config.
+# 3. Sampling: filtering, distributions, draft methods, drawing, defaults from a generation config.
 # ================================================================================================
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """Top-k then top-p (nucleus) filtering on the last dim; removed entries become -inf."""
@@ -188,6 +188,55 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
+
+
+def sampling_distribution(
+    logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """The probabilities a sampler with these settings draws from, over the last dim (float32): one-hot on the
+    argmax at temperature 0, else the softmax of the tempered logits after top-k then top-p filtering. This is
+    the verifier's processed distribution (the target of acceptance) and, with a draft method's settings
+    (`draft_sampling`), the distribution a draft is drawn from."""
+    logits = logits.float()
+    if temperature <= 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+
+
+# How `draft()` draws its tokens. vLLM's `draft_sample_method` has the first two (its default is "greedy");
+# "filtered" is this package's earlier behaviour, kept so results measured with it can be compared.
+DRAFT_METHODS = ("greedy", "probabilistic", "filtered")
+
+
+def draft_sampling(
+    draft_method: str, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> dict:
+    """`{"temperature", "top_k", "top_p"}` the drafts of `draft_method` are drawn with, for `sampling_distribution`,
+    given the verifier's (request's) settings.
+
+    * "greedy" (vLLM's default, `draft_sample_method: greedy`): the argmax of the draft logits whatever the
+      verifier's temperature, so temperature 0 here. vLLM then treats the draft distribution as one-hot in
+      rejection sampling: draft d is accepted with the verifier's probability p(d), and on rejection the token is
+      drawn from p with d removed, renormalised (`speculative_accept` with a one-hot q is exactly that).
+    * "probabilistic" (vLLM's `draft_sample_method: probabilistic`): the softmax of the draft logits at the
+      verifier's temperature only. vLLM ignores the request's top-k/top-p when drafting (they shape only the
+      verifier's distribution): that costs acceptance, never correctness.
+    * "filtered": the verifier's temperature, top-k and top-p applied to the draft logits too; vLLM never drafts
+      this way.
+
+    At temperature 0 every method is greedy. (vLLM reference, section 2.8 "Markov head and confidence head at
+    inference" and section 6's caveats; in vLLM's source `SpeculativeConfig.draft_sample_method`, the DSpark
+    speculator's `_sample_logits`, and the temperature-only note in the GPU speculator's `_copy_request_inputs`.)
+    """
+    if draft_method not in DRAFT_METHODS:
+        raise ValueError(f"draft_method {draft_method!r} is not one of {', '.join(map(repr, DRAFT_METHODS))}; pass "
+                         f"one of them ('greedy' is what vLLM serves by default).")
+    temperature = float(temperature or 0.0)
+    if draft_method == "greedy" or temperature <= 0:
+        return {"temperature": 0.0, "top_k": None, "top_p": None}
+    if draft_method == "probabilistic":
+        return {"temperature": temperature, "top_k": None, "top_p": None}
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -494,8 +543,8 @@ class DSparkProposal(ModelOutput):
     Attributes:
         token_ids: `[B]` proposed tokens in verifier ids.
         draft_token_ids: `[B]` the same tokens in draft-vocabulary ids.
-        probs: `[B, Vd]` the distribution each token was drawn from (one-hot at temperature 0), for
-            speculative-sampling acceptance.
+        probs: `[B, Vd]` the distribution each token was drawn from (one-hot for greedy drafts, and for every
+            draft method at temperature 0), the q of speculative-sampling acceptance.
         confidence: `[B]` sigmoid of the confidence head (None when disabled).
         logits: `[B, Vd]` the raw Markov-corrected logits.
     """
@@ -579,8 +628,10 @@ def speculative_accept(
     `target_probs` `[B+1, V]` are the verifier's (processed) distributions after the last committed token and
     after each draft; `draft_probs` `[B, V]` the distributions the drafts were drawn from. Draft i is accepted
     with probability `min(1, p_i(d)/q_i(d))`; at the first rejection the next token is drawn from the residual
-    `max(0, p_i - q_i)` (normalised); if all B pass, a bonus token is drawn from `p_B`. Greedy decoding is the
-    special case of one-hot p and q (exact-match acceptance). Returns `(number accepted, next token)`.
+    `max(0, p_i - q_i)` (normalised); if all B pass, a bonus token is drawn from `p_B`. Greedy drafts (vLLM's
+    default) are the case of a one-hot q: d is accepted with probability p(d) and the replacement is drawn from p
+    without d, renormalised, which is how vLLM verifies them; greedy decoding is the case of one-hot p and q
+    (exact-match acceptance). Returns `(number accepted, next token)`.
     """
     for i, d in enumerate(drafts.tolist()):
         p, q = target_probs[i, d], draft_probs[i, d]
@@ -616,6 +667,7 @@ class DSparkDraftingMixin:
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        draft_method: str = "greedy",
     ) -> DSparkProposal:
         """Propose B tokens after the verified context, computed as vLLM serves the drafter.
 
@@ -624,16 +676,21 @@ class DSparkDraftingMixin:
                 in `cache` (all of them when `cache` is None). Context tokens sit at positions 0..len-1.
             bonus_token_id: the last token the verifier produced (the anchor), at position `len(context)`.
             cache: a `DSparkDraftCache` reused across calls of one sequence (extended in place).
-            temperature / top_k / top_p: 0 drafts greedily; otherwise each slot samples from the filtered,
-                tempered draft distribution, which `probs` returns for speculative-sampling acceptance.
+            temperature / top_k / top_p: the verifier's sampling settings (0: greedy decoding).
+            draft_method: how each slot's token is drawn from its logits, as vLLM's `draft_sample_method`
+                (`draft_sampling`): "greedy" (the default, vLLM's) takes the argmax even when the verifier
+                samples; "probabilistic" samples at `temperature` only (no top-k/top-p, as vLLM does);
+                "filtered" samples from the tempered, top-k/top-p-filtered distribution (not what vLLM serves).
+                At temperature 0 every method is greedy. `probs` is the distribution each draft was drawn from.
 
         The context's K/V per layer are projected once and appended to the cache. Then one backbone pass over
         the block `[bonus, MASK x (B-1)]` at positions `len .. len+B-1`, which sees the context (a single
         document; the anchor is the bonus token, whose own verifier state does not exist yet; on sliding layers
-        only the keys within each query's window) and its own block, with the training mask. Then B sequential Markov steps: slot k's bias is conditioned on the previously
-        proposed token (the bonus for slot 0), mapped to verifier ids, exactly the teacher-forced chain of
-        training when the proposals are correct.
+        only the keys within each query's window) and its own block, with the training mask. Then B sequential
+        Markov steps: slot k's bias is conditioned on the previously proposed token (the bonus for slot 0),
+        mapped to verifier ids, exactly the teacher-forced chain of training when the proposals are correct.
         """
+        drawing = draft_sampling(draft_method, temperature, top_k, top_p)  # refuses an unknown method first
         cache = cache if cache is not None else DSparkDraftCache()
         aux = aux_hidden_states.reshape(1, -1, aux_hidden_states.shape[-1])
         device = self.fc.weight.device
@@ -668,12 +725,11 @@ class DSparkDraftingMixin:
             if self.markov_head is not None:
                 logits = logits + self.markov_head(previous).float()
             confidence = self.compute_confidence(h, previous)
-            if temperature and temperature > 0:
-                probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            probs = sampling_distribution(logits, **drawing)
+            if drawing["temperature"] > 0:
                 draft_id = torch.multinomial(probs.cpu(), 1, generator=generator).view(1).to(device)
-            else:
+            else:  # one-hot on the argmax
                 draft_id = logits.argmax(dim=-1)
-                probs = F.one_hot(draft_id, logits.shape[-1]).float()
             token = self.draft_to_verifier_ids(draft_id)
             out_draft.append(draft_id)
             out_tokens.append(token)
@@ -701,13 +757,17 @@ class DSparkDraftingMixin:
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
+        draft_method: str = "greedy",
     ) -> SpeculativeGenerationOutput:
         """Generate with the verifier, drafting B tokens per step with this drafter (batch size 1).
 
         Each step drafts `[d_1..d_B]` after the last committed token, scores `[last, d_1..d_B]` with one cached
         verifier forward, and accepts the longest prefix by standard speculative sampling (`min(1, p/q)`, residual
         resampling from `max(0, p - q)`, then a bonus token from the verifier when all drafts pass). The output is
-        the verifier's own: token-identical to greedy `generate` at temperature 0, identically distributed above.
+        the verifier's own: token-identical to greedy `generate` at temperature 0, identically distributed above,
+        whichever `draft_method` drafts (`draft()`: "greedy", vLLM's default, argmax drafts checked as one-hot;
+        "probabilistic", vLLM's, drafts sampled at the temperature only; "filtered", drafts sampled with the
+        verifier's top-k/top-p too). The draft method changes only how many drafts are accepted.
 
         Sampling settings default to the verifier's `generation_config` (`sampling_defaults`: greedy when it
         does not sample); `temperature=0` forces greedy. Returns the sequences and the tokens committed per
@@ -716,6 +776,7 @@ class DSparkDraftingMixin:
         gen = getattr(verifier, "generation_config", None)
         sampling = sampling_defaults(gen, temperature, top_k, top_p)
         temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
+        draft_sampling(draft_method, temperature, top_k, top_p)  # an unknown method is refused before any forward
         if eos_token_id is None:
             eos_token_id = getattr(gen, "eos_token_id", None)
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -729,11 +790,8 @@ class DSparkDraftingMixin:
         draft_ids = self.draft_vocab_ids.to(device)
         block = self.block_size
 
-        def distribution(logits: torch.Tensor) -> torch.Tensor:
-            logits = logits.float()[..., :vocab]
-            if temperature <= 0:
-                return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-            return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+        def distribution(logits: torch.Tensor) -> torch.Tensor:  # the verifier's processed distribution
+            return sampling_distribution(logits[..., :vocab], temperature, top_k, top_p)
 
         capture = VerifierStateCapture(verifier, self.config.aux_hidden_state_layer_ids)
         with capture:
@@ -747,7 +805,7 @@ class DSparkDraftingMixin:
         draft_cache = DSparkDraftCache()
         while len(generated) < max_new_tokens and generated[-1] not in eos:
             proposal = self.draft(context, token, cache=draft_cache, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, generator=generator)
+                                  top_p=top_p, generator=generator, draft_method=draft_method)
             drafts = proposal.token_ids.to(device)
             step_ids = torch.cat([token.view(1).to(device), drafts]).unsqueeze(0)
             with capture:
@@ -1107,7 +1165,10 @@ __all__ = [
     "index_within_runs",
     "positions_from_document_ids",
     "document_segments",
+    "DRAFT_METHODS",
+    "draft_sampling",
     "filter_logits",
+    "sampling_distribution",
     "sample_from",
     "sampling_defaults",
     "speculative_accept",

@@ -11,6 +11,16 @@ records how many tokens it committed. Per subset this gives
 
 plus the weighted (by steps) and unweighted means over subsets.
 
+How the drafter draws its drafts is `--draft-method` (`draft()`'s `draft_method`, recorded as the results'
+`draft_method`): `greedy` (the default) takes the argmax even when the verifier samples, which is what `vllm serve`
+does unless its speculative config sets `draft_sample_method: probabilistic`; `probabilistic` samples at the
+temperature only, as vLLM's probabilistic drafting does (no top-k/top-p); `filtered` samples with the verifier's
+top-k/top-p too (this backend's behaviour before the methods existed; not what vLLM serves). At temperature 0 all
+three are greedy. The output is the verifier's either way; only the acceptance differs, so to report what vLLM gets at
+T = 1 run both vLLM methods:
+
+    python -m trainer.acceptance --drafter D --prompts P --temperature 1 --draft-method probabilistic --out X.json
+
 At temperature 0 every prompt also gets a *fidelity check* (on by default, `--no-fidelity-check` turns it off):
 the drafter's training `forward` is run teacher-forced on the generated sequence (one plain verifier forward
 for its aux states, `verifier_hidden_states`), with one block anchored at each actual verification step, and
@@ -43,6 +53,7 @@ if __package__ in (None, ""):
 from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.errors import UsageError, run_cli  # noqa: E402
 from trainer.results import (  # noqa: E402
+    DRAFT_METHODS,
     SUBSETS,
     AcceptanceStats,
     build_results,
@@ -227,14 +238,22 @@ def evaluate_in_process(
     seed: int = 0,
     progress: bool = True,
     fidelity_check: bool = True,
+    draft_method: str = "greedy",
 ) -> dict:
     """Speculate on every prompt and return a `dspark-acceptance/1` results dict.
+
+    `draft_method` is how the drafter draws its drafts (`DSparkDraftModel.draft`; "greedy", the default, is what
+    vLLM serves by default), recorded as the results' `draft_method` ("greedy" at temperature 0, where every
+    method is).
 
     With `fidelity_check` (the default) and temperature 0, each prompt's generation is also checked against the
     drafter's training forward (`teacher_forced_acceptance`); a subset with differing steps is warned about
     (`FidelityWarning`). The check runs after the timed generation, so it never enters tokens/s."""
     from tqdm.auto import tqdm
 
+    if draft_method not in DRAFT_METHODS:
+        raise UsageError(f"draft method {draft_method!r} is not one of {', '.join(DRAFT_METHODS)}; pass one of them "
+                         f"(greedy is what vLLM serves by default).")
     settings = resolve_sampling(verifier, temperature, top_k, top_p)
     check = fidelity_check and settings["temperature"] <= 0  # at T > 0 acceptance is random: nothing to match
     device = next(verifier.parameters()).device
@@ -251,7 +270,7 @@ def evaluate_in_process(
             start = time.perf_counter()
             out = drafter.speculative_generate(verifier, ids, max_new_tokens=max_new_tokens,
                                                temperature=settings["temperature"], top_k=settings.get("top_k"),
-                                               top_p=settings.get("top_p"), generator=g)
+                                               top_p=settings.get("top_p"), generator=g, draft_method=draft_method)
             elapsed = time.perf_counter() - start
             stats[name].add(out.committed_per_step, out.sequences.shape[1] - ids.shape[1], elapsed)
             if check:
@@ -280,7 +299,7 @@ def evaluate_in_process(
                 f"and serving layouts disagree (or the argmax is numerically tied there).",
                 FidelityWarning, stacklevel=2)
     return build_results(stats, backend="transformers", block_size=B, sampling=settings,
-                         max_new_tokens=max_new_tokens, concurrency=1)
+                         max_new_tokens=max_new_tokens, concurrency=1, draft_method=draft_method)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -296,6 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=None, help="default: the verifier's generation config")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--draft-method", choices=DRAFT_METHODS, default="greedy",
+                        help="how the drafter draws its drafts when sampling: greedy (vLLM's default), probabilistic "
+                             "(vLLM's draft_sample_method: probabilistic, temperature only) or filtered (with the "
+                             "verifier's top-k/top-p too, not what vLLM serves); all are greedy at temperature 0")
     parser.add_argument("--throughput", action="store_true", help="also time the verifier alone (concurrency 1)")
     parser.add_argument("--throughput-prompts", type=int, default=None,
                         help="time the verifier alone on the first N prompts of each subset only (speedup is computed "
@@ -340,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = evaluate_in_process(drafter, verifier, tokenizer, prompt_sets, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   throughput=args.throughput, throughput_prompts=args.throughput_prompts,
-                                  seed=args.seed, fidelity_check=args.fidelity_check)
+                                  seed=args.seed, fidelity_check=args.fidelity_check,
+                                  draft_method=args.draft_method)
     results = with_provenance(results, args.drafter, drafter.config.verifier_name_or_path or verifier_name, args.prompts)
     print(write_results(results, args.out))
     return results

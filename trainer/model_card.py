@@ -20,7 +20,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from trainer.checkpoints import CALIBRATION_FILE, DATA_STATS_FILE, RUN_CONFIG_FILE, Checkpoint, CheckpointError
 from trainer.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
-from trainer.results import AcceptanceResults, SubsetResult, is_hub_dataset
+from trainer.results import DRAFT_DESCRIPTIONS, AcceptanceResults, SubsetResult, is_hub_dataset
 from trainer.servable import read_json
 
 TEMPLATE_FILE = Path(__file__).with_name("model_card.md")
@@ -235,6 +235,40 @@ def _speedup(s: SubsetResult) -> float | None:
     return None
 
 
+_BACKENDS = {"transformers": "in-process", "vllm": "vLLM server"}
+_DRAFTS_AS = {"greedy": "greedy drafts as vLLM serves by default",
+              "probabilistic": "probabilistic drafts (temperature only) as vLLM samples them",
+              "filtered": "top-k/top-p-filtered drafts, not what vLLM serves"}
+
+
+def _heading(r: AcceptanceResults) -> str:
+    """A results file's section heading: where it was measured, the sampling settings and how the drafts were drawn
+    (the same sampling reads differently with greedy and with probabilistic drafts), e.g. "Acceptance (in-process;
+    T = 1; greedy drafts as vLLM serves by default)"."""
+    parts = [_BACKENDS.get(r.backend, r.backend)] if r.backend else []
+    if not r.sampling:
+        parts.append("sampling settings not recorded")
+    elif r.greedy:
+        parts.append("T = 0: greedy decoding and greedy drafts")
+    else:
+        extra = [f"{k} {r.sampling[k]}" for k in ("top_p", "top_k", "min_p") if r.sampling.get(k) is not None]
+        parts.append(", ".join([f"T = {r.sampling['temperature']:g}", *extra]))
+        parts.append(_DRAFTS_AS.get(r.draft_method, "draft method not recorded"))
+    return f"Acceptance ({'; '.join(parts)})"
+
+
+def _drafts_line(r: AcceptanceResults) -> str | None:
+    """The setup line saying how the drafts were drawn, and whether the file records it or it was inferred."""
+    if r.draft_method not in DRAFT_DESCRIPTIONS:
+        return None
+    line = f"- Drafts: {r.draft_method}, {DRAFT_DESCRIPTIONS[r.draft_method]}"
+    if r.greedy:
+        line += "; at temperature 0 every draft method takes the argmax"
+    if not r.draft_method_recorded:
+        line += " (not recorded in this file, which predates the record: inferred from its backend and temperature)"
+    return line
+
+
 def _results_section(r: AcceptanceResults, block: int) -> str:
     out = []
     dataset = _hub_link(r.dataset, "datasets/") if is_hub_dataset(r.dataset) else \
@@ -243,6 +277,9 @@ def _results_section(r: AcceptanceResults, block: int) -> str:
     setup = [f"- Dataset: {dataset} ({len(r.subsets)} subsets" + (f", {prompts:,} prompts)" if prompts else ")")]
     if r.unmeasured:
         setup.append(f"- Not measured (no verification steps): {', '.join(r.unmeasured)}")
+    drafts = _drafts_line(r)
+    if drafts:
+        setup.append(drafts)
     if r.max_new_tokens:
         setup.append(f"- Up to {r.max_new_tokens} new tokens per prompt")
     if r.backend:
@@ -396,11 +433,11 @@ def evaluation_section(inputs: CardInputs) -> str:
         return ("No evaluation results were given to this export (`push_to_hub.py --eval-results`), so this card "
                 "reports no measured acceptance length or throughput." + tail)
     block = inputs.config["block_size"]
-    titles = [r.title for r in inputs.results]
+    headings = [_heading(r) for r in inputs.results]
     parts = []
-    for r in inputs.results:
-        title = r.title if titles.count(r.title) == 1 else f"{r.title} ({r.path.name})"
-        parts.append(f"### {title}\n\n{_results_section(r, block)}")
+    for r, heading in zip(inputs.results, headings):
+        heading = heading if headings.count(heading) == 1 else f"{heading} ({r.path.name})"
+        parts.append(f"### {heading}\n\n{_results_section(r, block)}")
     parts.append(f"### Per-position acceptance\n\n![Per-position acceptance by subset]({PLOT_FILE})\n\n"
                  f"Share of verification steps that accepted at least k+1 drafts, per subset"
                  + (" (one panel per sampling setting)." if len(inputs.results) > 1 else "."))
@@ -533,7 +570,10 @@ print("acceptance length", sum(out.committed_per_step) / len(out.committed_per_s
 ```
 
 `speculative_generate` returns exactly the verifier's output (token-identical to greedy `generate` at temperature 0,
-identically distributed when sampling) and the tokens committed per verification step."""
+identically distributed when sampling) and the tokens committed per verification step. It drafts as `vllm serve`
+does by default, greedily (`draft_method="greedy"`); `draft_method="probabilistic"` samples the drafts at the
+temperature only, as vLLM's `draft_sample_method: probabilistic`. Either changes how many drafts are accepted, never
+the output's distribution."""
 
 
 def limitations_section(inputs: CardInputs) -> str:
@@ -581,7 +621,9 @@ def card_metadata(inputs: CardInputs) -> ModelCardData:
         hub = is_hub_dataset(r.dataset)
         common = dict(task_type="text-generation", task_name="Speculative decoding",
                       dataset_type=r.dataset if hub else "custom", dataset_name=r.dataset_label,
-                      metric_type="acceptance_length", metric_args=dict(r.sampling) or None)
+                      metric_type="acceptance_length",
+                      metric_args={**r.sampling, **({"draft_method": r.draft_method} if r.draft_method else {})}
+                      or None)
         for s in r.subsets:
             evals.append(EvalResult(**common, dataset_config=s.name, metric_value=round(s.acceptance_length, 4),
                                     metric_name=f"acceptance length ({r.short})"))

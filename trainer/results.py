@@ -7,6 +7,11 @@ backend in trainer/acceptance.py; a vLLM server backend writes the same file). T
     schema                        "dspark-acceptance/1"
     backend, block_size           how it was measured, and for which block size B
     sampling                      {"temperature": T, "top_p": .., "top_k": ..} (T = 0: greedy)
+    draft_method                  how the drafts were drawn: "greedy" (vLLM's default `draft_sample_method`: the
+                                  argmax, verified as one-hot), "probabilistic" (vLLM's other method: sampled at
+                                  T only, no top-k/top-p) or "filtered" (sampled with the verifier's top-k/top-p,
+                                  not what vLLM serves); always "greedy" at T = 0, where every method is.
+                                  Files written before it was recorded have no key (see `recorded_draft_method`)
     max_new_tokens, concurrency
     subsets.<name>                acceptance_length (1.0 .. B+1), pos [B] (pos[k]: share of steps accepting
                                   >= k+1 drafts), steps, prompts, generated_tokens, and with throughput
@@ -47,6 +52,16 @@ SCHEMA = "dspark-acceptance/1"
 SUBSETS = ("math_reasoning", "HumanEval", "question", "writing", "translation", "rag", "tool_call", "qa",
            "summarization")
 ACCEPTANCE_METRIC = str(Path(__file__).resolve().parent / "metrics" / "dspark_acceptance")
+# `modeling_dspark.DRAFT_METHODS` (mirrored, so reading results needs no torch): how `draft()` draws its tokens.
+DRAFT_METHODS = ("greedy", "probabilistic", "filtered")
+DRAFT_DESCRIPTIONS = {
+    "greedy": "the argmax of the draft logits, verified as a one-hot distribution (vLLM's default, "
+              "`draft_sample_method: greedy`)",
+    "probabilistic": "sampled from the draft logits at the verifier's temperature only, no top-k/top-p (vLLM's "
+                     "`draft_sample_method: probabilistic`)",
+    "filtered": "sampled from the draft logits with the verifier's temperature, top-k and top-p (not a method vLLM "
+                "serves)",
+}
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -140,10 +155,25 @@ def summarize(subsets: dict[str, dict]) -> dict:
     return means(subsets)
 
 
+def effective_draft_method(sampling: dict, draft_method: str | None) -> str | None:
+    """The draft method a measurement actually used: "greedy" at temperature 0 whatever was asked (every method
+    takes the argmax there, in vLLM as in `draft()`), else `draft_method` (None: not known)."""
+    if draft_method is not None and draft_method not in DRAFT_METHODS:
+        raise ValueError(f"draft method {draft_method!r} is not one of {', '.join(DRAFT_METHODS)}; pass one of them.")
+    if isinstance(sampling, dict) and "temperature" in sampling and not sampling["temperature"]:
+        return "greedy"
+    return draft_method
+
+
 def build_results(stats: dict[str, AcceptanceStats], *, backend: str, block_size: int, sampling: dict,
-                  max_new_tokens: int, concurrency: int = 1) -> dict:
-    """A `dspark-acceptance/1` dict from what a backend measured (provenance is added by `with_provenance`)."""
+                  max_new_tokens: int, concurrency: int = 1, draft_method: str | None = None) -> dict:
+    """A `dspark-acceptance/1` dict from what a backend measured (provenance is added by `with_provenance`).
+
+    `draft_method` is recorded as `effective_draft_method` gives it (so "greedy" at temperature 0); a backend that
+    does not know it at T > 0 passes None and the key is left out rather than guessed."""
+    method = effective_draft_method(sampling, draft_method)
     return {"schema": SCHEMA, "backend": backend, "block_size": block_size, "sampling": sampling,
+            **({"draft_method": method} if method is not None else {}),
             "max_new_tokens": max_new_tokens, "concurrency": concurrency, **reduce(stats, block_size)}
 
 
@@ -214,6 +244,9 @@ def format_table(results: dict) -> str:
         lines.append("")
         lines.append(f"Weighted mean acceptance length {w:.3f} over {results['total_steps']} verification steps "
                      f"(unweighted mean over subsets {u:.3f}).")
+    if results.get("draft_method") in DRAFT_DESCRIPTIONS:
+        lines.append("")
+        lines.append(f"Drafts: {results['draft_method']}, {DRAFT_DESCRIPTIONS[results['draft_method']]}.")
     if has_fidelity:
         checked = [v for v in results["subsets"].values() if v.get("fidelity_steps") is not None]
         compared = sum(v["fidelity_steps"] for v in checked)
@@ -260,6 +293,8 @@ class AcceptanceResults:
     block_size: int
     subsets: list[SubsetResult]
     sampling: dict = field(default_factory=dict)
+    draft_method: str | None = None  # `recorded_draft_method`: None only when the sampling was not recorded either
+    draft_method_recorded: bool = True  # False: the file predates the key and `draft_method` is inferred
     backend: str | None = None
     verifier: str | None = None
     dataset: str | None = None
@@ -286,22 +321,30 @@ class AcceptanceResults:
         return not self.sampling.get("temperature")
 
     @property
+    def drafts(self) -> str | None:
+        """The draft method in two words ("greedy drafts"), None when not known; at temperature 0 it goes without
+        saying (every method is greedy there), so `title` and `short` name it only when sampling."""
+        return f"{self.draft_method} drafts" if self.draft_method else None
+
+    @property
     def title(self) -> str:
-        """The sampling settings, which titles this file's section (greedy and T=1 results read differently)."""
+        """The sampling settings and, when sampling, the draft method: they title this file's section and plot
+        panel (greedy and T=1 results read differently, and so do greedy and probabilistic drafts at T=1)."""
         if not self.sampling:
             return "Sampling settings not recorded"
         if self.greedy:
             return "Greedy decoding (temperature 0)"
         parts = [f"temperature {self.sampling['temperature']}"]
         parts += [f"{k} {self.sampling[k]}" for k in ("top_p", "top_k", "min_p") if self.sampling.get(k) is not None]
-        return "Sampling: " + ", ".join(parts)
+        return "Sampling: " + ", ".join(parts) + (f"; {self.drafts}" if self.drafts else "")
 
     @property
     def short(self) -> str:
         if self.greedy:
             return "greedy" if self.sampling else "sampling not recorded"
         keys = (("temperature", "T"), ("top_p", "top_p"), ("top_k", "top_k"))
-        return ", ".join(f"{label}={self.sampling[k]}" for k, label in keys if self.sampling.get(k) is not None)
+        parts = [f"{label}={self.sampling[k]}" for k, label in keys if self.sampling.get(k) is not None]
+        return ", ".join(parts + ([self.drafts] if self.drafts else []))
 
     def best(self) -> SubsetResult:
         return max(self.subsets, key=lambda s: s.acceptance_length)
@@ -316,6 +359,28 @@ def _number(value, where: str, path: Path, integer: bool = False, required: bool
         raise ResultsError(f"eval results {path}: {where} is {value!r}, not a finite {kind}; regenerate the file with "
                         f"trainer/acceptance.py.")
     return int(value) if integer else float(value)
+
+
+def recorded_draft_method(data: dict, path: Path) -> tuple[str | None, bool]:
+    """`(draft method, whether the file records it)` of a results dict.
+
+    Files written before the key existed hold none, and get the method their backend drafted with then: "greedy"
+    at temperature 0 (every method is greedy there); at T > 0 "filtered" for the in-process backend (`draft()`
+    sampled from the top-k/top-p-filtered distribution until the draft methods existed) and "greedy" for a vLLM
+    server (vLLM's default `draft_sample_method`). Without recorded sampling settings the method is unknown (None).
+    A recorded method is normalised to "greedy" at temperature 0, as `build_results` writes it."""
+    sampling = data.get("sampling") if isinstance(data.get("sampling"), dict) else {}
+    recorded = data.get("draft_method")
+    if recorded is not None:
+        if recorded not in DRAFT_METHODS:
+            raise ResultsError(f"eval results {path} record draft_method {recorded!r}, not one of "
+                               f"{', '.join(DRAFT_METHODS)}; regenerate the file with trainer/acceptance.py.")
+        return effective_draft_method(sampling, recorded), True
+    if "temperature" not in sampling:
+        return None, False
+    if not sampling["temperature"]:
+        return "greedy", False
+    return ("greedy" if data.get("backend") == "vllm" else "filtered"), False
 
 
 def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | None = None,
@@ -393,8 +458,10 @@ def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | No
         unweighted = sum(s.acceptance_length for s in subsets) / len(subsets)
     others = data.get("other_drafters") if isinstance(data.get("other_drafters"), dict) else {}
     sampling = data.get("sampling") if isinstance(data.get("sampling"), dict) else {}
+    draft_method, draft_method_recorded = recorded_draft_method(data, path)
     return AcceptanceResults(
-        path=path, block_size=block_size, subsets=subsets, sampling=sampling, backend=data.get("backend"),
+        path=path, block_size=block_size, subsets=subsets, sampling=sampling, draft_method=draft_method,
+        draft_method_recorded=draft_method_recorded, backend=data.get("backend"),
         verifier=verifier, dataset=data.get("dataset"), max_new_tokens=data.get("max_new_tokens"),
         date=data.get("date"), machine=data.get("machine"),
         versions=data.get("versions") if isinstance(data.get("versions"), dict) else {},
