@@ -147,9 +147,9 @@ def test_a_server_without_the_connector_is_reported(shell, tmp_path):
                             spec.served_name).check()
 
 
-def test_misconfigured_servers_are_reported_before_training(server, shell, tmp_path):
-    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {server.url} serves "
-                                              rf"{server.served_name}, not the verifier other/model"):
+def test_misconfigured_servers_are_reported_before_training(server, shell, tmp_path, monkeypatch):
+    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {server.url} serves {server.served_name}, "
+                                              r"dspark-hidden-states-2-15-27-30, not the verifier other/model"):
         VLLMStateSource([server.url], server.states_dir, [2, 15, 27], 30, 576, verifier_teacher(shell),
                         "other/model").check()
     with pytest.raises(VLLMStatesError, match=r"writes its hidden states to .*which this machine does not see"):
@@ -160,9 +160,18 @@ def test_misconfigured_servers_are_reported_before_training(server, shell, tmp_p
     stray = os.path.join(server.states_dir, lock.removesuffix(".lock"))
     read_states_file(stray, torch.arange(8) + 100, 4, 576)  # waits for the writer
     remove_states_file(stray)
+    with pytest.raises(VLLMStatesError, match=r"extracts the layers \[2, 15, 27, 30\], but this run needs "
+                                              r"\[2, 15, 26, 30\]"):  # same count: only the server's name tells
+        VLLMStateSource([server.url], server.states_dir, [2, 15, 26], 30, 576, verifier_teacher(shell),
+                        server.served_name).check()
+    # A server started some other way names no layers: the probe file's shape still catches another count.
+    from trainer import vllm_states
+
+    monkeypatch.setattr(vllm_states, "LAYERS_TAG", "no-such-name-")
     with pytest.raises(VLLMStatesError, match=r"extracts other layers than this run needs .*\[2, 15\]"):
         VLLMStateSource([server.url], server.states_dir, [2, 15], 30, 576, verifier_teacher(shell),
                         server.served_name).check()
+    monkeypatch.undo()
     with pytest.raises(VLLMStatesError, match=r"serves a context of 513 tokens, shorter than this run's documents"):
         VLLMStateSource([server.url], server.states_dir, [2, 15, 27], 30, 576, verifier_teacher(shell),
                         server.served_name, max_document_length=1024).check()

