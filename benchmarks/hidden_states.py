@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 
@@ -29,11 +28,6 @@ from benchmarks.common import ROOT, busy_warning, cli, fail, machine, print_tabl
 
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,7 +103,7 @@ def main() -> None:
     from trainer.data import DSparkCollator, PackedDataset, pack_conversations
     from trainer.run import prepare_data
     from trainer.verifier import load_verifier_shell
-    from trainer.vllm_server import ServerProcess, spec_for_config
+    from trainer.vllm_server import ServerProcess, free_port, spec_for_config
 
     work = tempfile.mkdtemp(prefix="dspark-bench-hs-")
     config = RunConfig.load(DEMO, [])

@@ -25,18 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trainer.errors import UsageError
     from trainer.results import ordered
     from trainer.small_models import resolve_model
-    from trainer.vllm_server import ServerProcess, ServerSpec
+    from trainer.vllm_server import ServerProcess, ServerSpec, free_port
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)

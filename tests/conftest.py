@@ -111,3 +111,19 @@ def chat_data_file(tmp_path_factory):
                 messages.append({"role": "assistant", "content": answer.capitalize() + "."})
             f.write(json.dumps({"messages": messages}) + "\n")
     return str(path)
+
+
+def assert_ranks_trained_in_sync(out, steps: int) -> None:
+    """The batches two ranks recorded (`--record_batches true`): each rank trained `steps` steps on rows of its
+    own, and the parameter checksums agree at every step (gradients were averaged) while the weights moved."""
+    import json
+
+    rows, checksums = {}, {}
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (out / f"batches-rank{rank}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(steps)) and all(x["rank"] == rank for x in lines)
+        rows[rank] = {r for x in lines for r in x["rows"]}
+        checksums[rank] = [x["param_checksum"] for x in lines]
+    assert rows[0] and rows[1] and not rows[0] & rows[1]  # the ranks trained on different rows
+    assert checksums[0] == pytest.approx(checksums[1], rel=1e-9)  # replicas agree
+    assert len(set(checksums[0])) == steps  # and the weights did move every step

@@ -10,7 +10,6 @@ two-machine `accelerate launch` on this box. Every hidden-state file is deleted 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, vllm_python
+from conftest import ROOT, assert_ranks_trained_in_sync, vllm_python
 
 from trainer.config import RunConfig
 from trainer.data import DSparkCollator, PackedDataset, pack_conversations
@@ -27,7 +26,7 @@ from trainer.run import prepare_data, train
 from trainer.states_cache import StatesCache, write_cache
 from trainer.states_cache import main as cache_command
 from trainer.verifier import load_verifier, load_verifier_shell
-from trainer.vllm_server import ServerProcess, spec_for_config
+from trainer.vllm_server import ServerProcess, free_port, spec_for_config
 from trainer.vllm_states import VLLMStatesError, VLLMStateSource, read_states_file, remove_states_file
 
 pytestmark = pytest.mark.vllm
@@ -35,11 +34,6 @@ DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
 # Relative Frobenius error of vLLM's fp32 states against transformers' (measured: <= 4e-5 on random ids).
 REL_TOL = 1e-4
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def demo_config(*overrides) -> RunConfig:
@@ -242,14 +236,7 @@ def test_two_machine_accelerate_run_reads_states_from_the_server(server, tmp_pat
             log.close()
     logs = [Path(log.name).read_text() for _, log in procs]
     assert [p.returncode for p, _ in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    rows, checksums = {}, {}
-    for rank in (0, 1):
-        lines = [json.loads(x) for x in (out / f"batches-rank{rank}.jsonl").read_text().splitlines()]
-        assert [x["step"] for x in lines] == list(range(4)) and all(x["rank"] == rank for x in lines)
-        rows[rank] = {r for x in lines for r in x["rows"]}
-        checksums[rank] = [x["param_checksum"] for x in lines]
-    assert rows[0] and rows[1] and not rows[0] & rows[1]  # each machine trained on its own rows
-    assert checksums[0] == pytest.approx(checksums[1], rel=1e-9) and len(set(checksums[0])) == 4
+    assert_ranks_trained_in_sync(out, 4)  # each machine trained on its own rows, in sync
     summary = json.loads((out / "dspark_train_summary.json").read_text())
     assert summary["hidden_states"]["vllm"]["requests"] > 0
     assert os.listdir(server.states_dir) == []

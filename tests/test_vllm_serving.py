@@ -10,7 +10,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import time
 
@@ -23,16 +22,11 @@ from trainer.run import train
 from trainer.vllm_eval import main as vllm_eval
 from trainer.vllm_eval import spec_counters
 from trainer.vllm_http import VLLMServerError
-from trainer.vllm_server import ServerProcess, spec_for_config
+from trainer.vllm_server import ServerProcess, free_port, spec_for_config
 
 pytestmark = pytest.mark.vllm
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

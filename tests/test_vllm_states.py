@@ -5,7 +5,6 @@ The same client against real vLLM servers: tests/test_vllm.py (`make test-vllm`)
 import fcntl
 import json
 import os
-import socket
 import threading
 import time
 
@@ -15,7 +14,7 @@ from safetensors.torch import save_file
 
 from trainer.config import RunConfig
 from trainer.objective import Teacher
-from trainer.vllm_server import spec_for_config
+from trainer.vllm_server import free_port, spec_for_config
 from trainer.vllm_states import BadStatesFile, VLLMStatesError, VLLMStateSource, read_states_file, urls_for_rank
 
 
@@ -73,19 +72,13 @@ def test_waits_for_the_writers_lock_and_times_out_on_a_stuck_one(tmp_path):
         os.close(stuck)
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def source(tmp_path, urls, **kwargs):
     teacher = Teacher(torch.nn.Identity(), None, torch.randn(50, 8))
     return VLLMStateSource(urls, str(tmp_path), [1, 2, 3], 4, 8, teacher, "tiny/verifier", **kwargs)
 
 
 def test_an_unreachable_server_is_named_before_training_and_stops_a_run_after_bounded_failures(tmp_path):
-    url = f"http://127.0.0.1:{closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(VLLMStatesError, match=rf"the vLLM server {url} is unreachable .*trainer.vllm_server"):
         source(tmp_path, [url]).check()
     # During training: each document gets 1 + retries attempts; max_failures consecutive ones stop the run.

@@ -25,6 +25,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -141,6 +142,13 @@ def spec_for_config(config, states_dir: str, device: str = "gpu", port: int = 80
     return ServerSpec(verifier=path, served_name=m.verifier, layer_ids=ids + [layers], states_dir=states_dir,
                       max_model_len=config.data.max_seq_length + 1, dtype=dtype, device=device, host=host, port=port,
                       **kwargs)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for servers started here: tests, benchmarks, the fidelity script)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class ServerProcess:
