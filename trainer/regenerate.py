@@ -53,14 +53,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import http.client
 import json
 import logging
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 if __package__ in (None, ""):
@@ -70,6 +67,7 @@ from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.data import normalize_messages  # noqa: E402
 from trainer.data_files import read_jsonl_objects  # noqa: E402
 from trainer.errors import DSparkError, UsageError, run_cli  # noqa: E402
+from trainer.vllm_http import VLLMServerError, request_json, served_models  # noqa: E402
 
 logger = logging.getLogger("dspark")
 BACKENDS = ("transformers", "vllm")
@@ -369,37 +367,6 @@ class TransformersGenerator:
 
 
 # ------------------------------------------------------------------------------------------ vLLM
-class RequestFailed(Exception):
-    """One HTTP request failed; `retryable` for connection errors, timeouts, 429 and 5xx; `status` is the HTTP
-    status when the server answered."""
-
-    def __init__(self, message: str, retryable: bool, status: int | None = None):
-        super().__init__(message)
-        self.retryable, self.status = retryable, status
-
-
-def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
-    """GET (no body) or POST JSON with the standard library (the main environment has no async HTTP client;
-    the vLLM backend runs this in threads); failures become `RequestFailed` with a short reason."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            payload = response.read()
-    except urllib.error.HTTPError as e:
-        detail = " ".join(e.read()[:300].decode(errors="replace").split())
-        raise RequestFailed(f"HTTP {e.code}: {detail}" if detail else f"HTTP {e.code}",
-                            retryable=e.code >= 500 or e.code == 429, status=e.code) from e
-    except urllib.error.URLError as e:
-        raise RequestFailed(str(e.reason), retryable=True) from e
-    except (OSError, http.client.HTTPException) as e:  # timeouts, resets, a connection closed mid-answer
-        raise RequestFailed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, retryable=True) from e
-    try:
-        return json.loads(payload)
-    except json.JSONDecodeError as e:
-        raise RequestFailed("something other than JSON", retryable=False) from e
-
-
 def vllm_sampling(verifier: str, temperature: float | None, top_p: float | None, top_k: int | None) -> dict:
     """The sampling fields each request sends: only the user's, the server applying the verifier's
     generation_config to the rest, plus temperature 0 when the user gave none and the verifier's config,
@@ -450,26 +417,20 @@ class VLLMChatClient:
     def check(self, verifier: str, max_new_tokens: int) -> None:
         """The server answers /v1/models, lists the served name as a model id or root (the model requests name is
         that entry's id), and its context leaves room for the replies."""
-        try:
-            models = http_json(self.url + "/v1/models", timeout=min(self.timeout, 30.0))
-        except RequestFailed as e:
-            if e.status is not None or "JSON" in str(e):
-                raise DSparkError(f"the vLLM server {self.url} answered /v1/models with {e}; is it an OpenAI-compatible "
-                                  f"vLLM server (`vllm serve {verifier}`)?") from e
-            raise DSparkError(f"the vLLM server {self.url} is unreachable ({e}); start it (`vllm serve {verifier}`) or "
-                              f"fix --server.") from e
-        served = [m for m in (models.get("data") or []) if isinstance(m, dict)] if isinstance(models, dict) else []
+
+        served = served_models(self.url, timeout=min(self.timeout, 30.0),
+                               hint=f"start it (`vllm serve {verifier}`) or fix --server")
         match = next((m for m in served if self.served_name in (str(m.get("id")), str(m.get("root")))), None)
         if match is None:
             found = ", ".join(sorted({str(m.get("id")) for m in served})) or "no model"
-            raise UsageError(f"the vLLM server {self.url} serves {found}, not {self.served_name}; point --server at a "
-                             f"server of {verifier}, or pass the name it serves it under as --served-model-name.")
+            raise VLLMServerError(f"the vLLM server {self.url} serves {found}, not {self.served_name}; point --server at "
+                                  f"a server of {verifier}, or pass the name it serves it under as --served-model-name.")
         self.model = str(match.get("id"))
         context = int(match.get("max_model_len") or 0)
         if context and context <= max_new_tokens:
-            raise UsageError(f"the vLLM server {self.url} serves a context of {context} tokens, which leaves no room for "
-                             f"a prompt and --max-new-tokens {max_new_tokens}; lower --max-new-tokens or restart the "
-                             f"server with a larger --max-model-len.")
+            raise VLLMServerError(f"the vLLM server {self.url} serves a context of {context} tokens, which leaves no "
+                                  f"room for a prompt and --max-new-tokens {max_new_tokens}; lower --max-new-tokens or "
+                                  f"restart the server with a larger --max-model-len.")
 
     def run(self, todo: list[dict], writer: OrderedWriter, stats: dict, bar, max_new_tokens: int, seed: int | None,
             started: float) -> None:
@@ -477,7 +438,7 @@ class VLLMChatClient:
 
     async def _run(self, todo, writer, stats, bar, max_new_tokens, seed, started) -> None:
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="regenerate")
-        state = {"consecutive": 0}
+        state = {"consecutive": 0, "error": None}  # error: the stop, raised once (other workers may fail too)
         pending = iter(range(len(todo)))
 
         async def one_row(index: int) -> None:
@@ -495,19 +456,22 @@ class VLLMChatClient:
                     stats["truncated"] += finish == "length"
                     stats["new_tokens"] += tokens
                 writer.add(index, conversation_record(row, replies))
-            except RequestFailed as e:
+            except VLLMServerError as e:
                 stats["failed"] += 1
                 state["consecutive"] += 1
                 writer.add(index, None)
-                logger.warning("regenerate: row %s failed: %s", row["id"], e)
-                if state["consecutive"] >= self.max_failures:
-                    raise DSparkError(f"{state['consecutive']} requests to the vLLM server {self.url} failed in a row "
-                                      f"(last: {e}); check that the server is up (its log), then rerun the same command "
-                                      f"to continue (finished rows are kept).") from e
+                logger.warning("regenerate: row %s failed: %s", row["id"], e.reason)
+                if state["error"] is None and state["consecutive"] >= self.max_failures:
+                    state["error"] = DSparkError(f"{state['consecutive']} requests to the vLLM server {self.url} failed in "
+                                                 f"a row (last: {e.reason}); check that the server is up (its log), then rerun "
+                                                 f"the same command to continue (finished rows are kept).")
+                    raise state["error"] from e
             _progress(bar, stats, started, 1)
 
         async def worker() -> None:
             for index in pending:  # one shared iterator: each row is taken by one worker, in input order
+                if state["error"] is not None:
+                    return
                 await one_row(index)
 
         tasks = [asyncio.create_task(worker()) for _ in range(min(self.concurrency, len(todo)))]
@@ -517,6 +481,8 @@ class VLLMChatClient:
                 for task in unfinished:
                     task.cancel()
                 await asyncio.gather(*unfinished, return_exceptions=True)
+                if state["error"] is not None:
+                    raise state["error"]
                 for task in finished:
                     if task.exception() is not None:
                         raise task.exception()
@@ -530,15 +496,16 @@ class VLLMChatClient:
         loop = asyncio.get_running_loop()
         for attempt in range(self.retries + 1):
             try:
-                answer = await loop.run_in_executor(pool, http_json, self.url + "/v1/chat/completions", body,
+                answer = await loop.run_in_executor(pool, request_json, self.url, "/v1/chat/completions", body,
                                                     self.timeout)
                 choice = (answer.get("choices") or [None])[0] if isinstance(answer, dict) else None
                 if not isinstance(choice, dict):
-                    raise RequestFailed("an answer without choices", retryable=False)
+                    raise VLLMServerError(f"the vLLM server {self.url} answered without choices.",
+                                          "an answer without choices")
                 text = ((choice.get("message") or {}).get("content") or "").strip()
                 tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
                 return text, tokens, str(choice.get("finish_reason"))
-            except RequestFailed as e:
+            except VLLMServerError as e:
                 if not e.retryable or attempt == self.retries:
                     raise
                 stats["retries"] += 1

@@ -34,13 +34,19 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.errors import UsageError, run_cli  # noqa: E402
-from trainer.results import AcceptanceStats, build_results, with_provenance, write_results  # noqa: E402
+from trainer.results import (  # noqa: E402
+    DRAFT_METHODS,
+    AcceptanceStats,
+    build_results,
+    with_provenance,
+    write_results,
+)
 from trainer.vllm_http import VLLMServerError, check_serves, request_json, scrape_metrics, stream_chat  # noqa: E402
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-DRAFT_METHODS = ("greedy", "probabilistic")
+VLLM_DRAFT_METHODS = DRAFT_METHODS[:2]  # greedy, probabilistic: what vLLM's draft_sample_method offers
 
 
 def spec_counters(url: str) -> dict:
@@ -147,8 +153,8 @@ def evaluate_server(url: str, prompt_sets: dict[str, list[str]], *, sampling: di
             bar.update(len(prompts))
     bar.close()
     results = build_results(measured["drafter"], backend="vllm", block_size=blocks["drafter"], sampling=sampling,
-                            max_new_tokens=max_new_tokens, concurrency=1)
-    results.update(draft_method=draft_method, server=url, baseline_server=baseline)
+                            max_new_tokens=max_new_tokens, concurrency=1, draft_method=draft_method)
+    results.update(server=url, baseline_server=baseline)
     others = {}
     for role in servers:
         if role == "drafter":
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--draft-method", choices=DRAFT_METHODS, default="greedy",
+    parser.add_argument("--draft-method", choices=VLLM_DRAFT_METHODS, default="greedy",
                         help="the server's draft_sample_method, recorded in the results (vLLM's default: greedy)")
     parser.add_argument("--drafter", default=None, help="the served drafter's directory or Hub id (provenance)")
     parser.add_argument("--verifier", default=None, help="the verifier's Hub id (provenance)")

@@ -12,6 +12,7 @@ Only the standard library: these run in the trainer's processes, which need no H
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -22,7 +23,15 @@ from trainer.errors import DSparkError
 
 
 class VLLMServerError(DSparkError):
-    """A vLLM server is unreachable, answered an error, or is not the server the run needs (exit status 1)."""
+    """A vLLM server is unreachable, answered an error, or is not the server the run needs (exit status 1).
+
+    `reason` is the short cause (for logs and "last error" summaries), `status` the HTTP status when the server
+    answered, and `retryable` says whether the same request may succeed later (connection errors, timeouts, 429
+    and 5xx) rather than never (another 4xx, an answer that is not JSON, a misconfigured server)."""
+
+    def __init__(self, message: str, reason: str = "", status: int | None = None, retryable: bool = False):
+        super().__init__(message)
+        self.reason, self.status, self.retryable = reason or message, status, retryable
 
 
 def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = ""):
@@ -32,21 +41,28 @@ def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = "
         return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
         detail = " ".join(e.read()[:300].decode(errors="replace").split())
+        reason = f"HTTP {e.code}: {detail}" if detail else f"HTTP {e.code}"
         raise VLLMServerError(f"the vLLM server {url} answered {route} with HTTP {e.code} ({detail}); check the "
-                              f"request and the server's log.") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise VLLMServerError(f"the vLLM server {url} is unreachable ({getattr(e, 'reason', e)}); "
-                              f"{hint or 'start it, or pass the URL of a running one'}.") from e
+                              f"request and the server's log.", reason, e.code, e.code >= 500 or e.code == 429) from e
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        reason = str(getattr(e, "reason", "") or e) or type(e).__name__
+        raise VLLMServerError(f"the vLLM server {url} is unreachable ({reason}); "
+                              f"{hint or 'start it, or pass the URL of a running one'}.", reason, None, True) from e
 
 
 def request_json(url: str, route: str, body: dict | None = None, timeout: float = 300.0, hint: str = "") -> dict:
-    with _open(url, route, body, timeout, hint) as response:
-        raw = response.read()
+    try:
+        with _open(url, route, body, timeout, hint) as response:
+            raw = response.read()
+    except (OSError, http.client.HTTPException) as e:  # a timeout or reset while the answer was being read
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise VLLMServerError(f"the vLLM server {url} broke off its answer to {route} ({reason}); check the "
+                              f"server's log.", reason, None, True) from e
     try:
         return json.loads(raw)
     except json.JSONDecodeError as e:
         raise VLLMServerError(f"the vLLM server {url} answered {route} with something other than JSON; is it a vLLM "
-                              f"OpenAI-compatible server?") from e
+                              f"OpenAI-compatible server?", "an answer that is not JSON") from e
 
 
 def served_models(url: str, timeout: float = 60.0, hint: str = "") -> list[dict]:
