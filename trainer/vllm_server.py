@@ -175,13 +175,23 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def last_error(self) -> str:
+        """The last line of the log that names an error (what vLLM refused: a config, a missing model), else ''."""
+        for line in reversed(self.log_tail(200).splitlines()):
+            if "Error" in line or "error:" in line:
+                return " ".join(line.split())[-300:]
+        return ""
+
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Poll `/health` until it answers 200; raise if the process exits or the deadline passes."""
+        from trainer.vllm_http import VLLMServerError
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with status {self.process.returncode} before it was "
-                                   f"ready; its log ({self.log_path}) ends with:\n{self.log_tail()}")
+                raise VLLMServerError(f"the vLLM server on port {self.spec.port} exited with status "
+                                      f"{self.process.returncode} before it was ready (last error: "
+                                      f"{self.last_error() or 'none logged'}); its log is {self.log_path}.")
             try:
                 with urllib.request.urlopen(self.spec.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -190,8 +200,8 @@ class ServerProcess:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"the vLLM server at {self.spec.url} was not ready after {timeout:.0f} s; its log "
-                           f"({self.log_path}) ends with:\n{self.log_tail()}")
+        raise VLLMServerError(f"the vLLM server at {self.spec.url} was not ready after {timeout:.0f} s (last error: "
+                              f"{self.last_error() or 'none logged'}); it was stopped, and its log is {self.log_path}.")
 
     def stop(self, grace: float = 30.0) -> None:
         if self.process is None or self.process.poll() is not None:
