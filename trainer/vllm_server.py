@@ -176,10 +176,15 @@ class ServerProcess:
             return ""
 
     def last_error(self) -> str:
-        """The last line of the log that names an error (what vLLM refused: a config, a missing model), else ''."""
-        for line in reversed(self.log_tail(200).splitlines()):
-            if "Error" in line or "error:" in line:
-                return " ".join(line.split())[-300:]
+        """The last line of the log that names an error (what vLLM refused: a config, a missing model), with the
+        indented detail line under it (a pydantic validation error puts the reason there), else ''."""
+        lines = self.log_tail(200).splitlines()
+        for i in range(len(lines) - 1, -1, -1):
+            if "Error" in lines[i] or "error:" in lines[i]:
+                text = lines[i]
+                if i + 1 < len(lines) and lines[i + 1].startswith((" ", "\t")) and lines[i + 1].strip():
+                    text += ": " + lines[i + 1].split(" [type=")[0]
+                return " ".join(text.split())[-400:]
         return ""
 
     def wait_ready(self, timeout: float = 300.0) -> None:
