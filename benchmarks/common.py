@@ -95,6 +95,18 @@ def cli(main: Callable[[], None]) -> None:
         sys.exit(1)
 
 
+def vllm_python_argument(parser) -> None:
+    """`--vllm-python`: the vLLM environment's python that starts the servers (`make vllm-env` creates it)."""
+    parser.add_argument("--vllm-python", default=os.environ.get("DSPARK_VLLM_PYTHON",
+                                                                str(ROOT / ".venv-vllm" / "bin" / "python")),
+                        help="python of the vLLM environment (default: .venv-vllm, or DSPARK_VLLM_PYTHON)")
+
+
+def check_vllm_python(path: str) -> None:
+    if not os.path.exists(path):
+        fail(f"no vLLM environment at {path}; run `make vllm-env` or pass --vllm-python.")
+
+
 def busy_warning() -> None:
     """Warn when other processes load the cores: multi-threaded kernels then stall and the timings mean little."""
     load = os.getloadavg()[0]

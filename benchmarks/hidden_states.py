@@ -24,7 +24,16 @@ import time
 
 import torch
 
-from benchmarks.common import ROOT, busy_warning, cli, fail, machine, print_table, write_json
+from benchmarks.common import (
+    ROOT,
+    busy_warning,
+    check_vllm_python,
+    cli,
+    machine,
+    print_table,
+    vllm_python_argument,
+    write_json,
+)
 
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
 
@@ -91,11 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "hidden_states.json"))
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--vllm-python", default=os.environ.get("DSPARK_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin"
-                                                                                          / "python")))
+    vllm_python_argument(parser)
     args = parser.parse_args()
-    if not os.path.exists(args.vllm_python):
-        fail(f"no vLLM environment at {args.vllm_python}; run `make vllm-env` or pass --vllm-python.")
+    check_vllm_python(args.vllm_python)
     busy_warning()
     from transformers import AutoTokenizer
 

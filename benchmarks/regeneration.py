@@ -16,7 +16,16 @@ import json
 import os
 import tempfile
 
-from benchmarks.common import ROOT, busy_warning, cli, fail, machine, print_table, write_json
+from benchmarks.common import (
+    ROOT,
+    busy_warning,
+    check_vllm_python,
+    cli,
+    machine,
+    print_table,
+    vllm_python_argument,
+    write_json,
+)
 
 
 def main() -> None:
@@ -24,11 +33,9 @@ def main() -> None:
     parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "regeneration.json"))
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--vllm-python", default=os.environ.get("DSPARK_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin"
-                                                                                          / "python")))
+    vllm_python_argument(parser)
     args = parser.parse_args()
-    if not os.path.exists(args.vllm_python):
-        fail(f"no vLLM environment at {args.vllm_python}; run `make vllm-env` or pass --vllm-python.")
+    check_vllm_python(args.vllm_python)
     busy_warning()
     from trainer.config import RunConfig
     from trainer.regenerate import regenerate
