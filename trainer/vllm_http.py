@@ -71,10 +71,12 @@ def served_models(url: str, timeout: float = 60.0, hint: str = "") -> list[dict]
             if isinstance(m, dict)]
 
 
-def check_serves(url: str, names: set[str], what: str = "the verifier", hint: str = "", timeout: float = 60.0) -> dict:
+def check_serves(url: str, names: set[str], what: str = "the verifier", hint: str = "", timeout: float = 60.0,
+                 models: list[dict] | None = None) -> dict:
     """The `/v1/models` entry of `url` whose id or root is one of `names`; otherwise one sentence naming what
-    the server serves. Returns the entry (its `max_model_len` bounds the requests)."""
-    models = served_models(url, timeout, hint)
+    the server serves. Returns the entry (its `max_model_len` bounds the requests). `models`: the entries
+    already fetched, when the caller reads them too."""
+    models = served_models(url, timeout, hint) if models is None else models
     for model in models:
         if {str(model.get("id")), str(model.get("root"))} & names:
             return model

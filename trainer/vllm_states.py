@@ -157,10 +157,11 @@ class VLLMStateSource(DocumentStateSource):
         """Before the first step: every URL is up, serves this verifier with a long enough context, and
         extracts exactly this run's layers into a directory this machine sees (one probe request each)."""
         for url in self.urls:
-            model = check_serves(url, {self.served_name}, hint=f"point train.vllm_urls at a server of this verifier "
-                                 f"({SERVER_HINT})", timeout=min(self.timeout, 60.0))
+            hint = f"point train.vllm_urls at a server of this verifier ({SERVER_HINT})"
+            models = served_models(url, timeout=min(self.timeout, 60.0), hint=hint)
+            model = check_serves(url, {self.served_name}, hint=hint, models=models)
             expected = layers_tag([*self.aux_layer_ids, self.num_layers])
-            tags = [str(m.get("id")) for m in served_models(url) if str(m.get("id")).startswith(LAYERS_TAG)]
+            tags = [str(m.get("id")) for m in models if str(m.get("id")).startswith(LAYERS_TAG)]
             if tags and expected not in tags:  # a server started by trainer.vllm_server names its layers
                 found = tags[0][len(LAYERS_TAG):].replace("-", ", ")
                 raise VLLMStatesError(f"the vLLM server {url} extracts the layers [{found}], but this run needs "
