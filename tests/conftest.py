@@ -127,3 +127,37 @@ def assert_ranks_trained_in_sync(out, steps: int) -> None:
     assert rows[0] and rows[1] and not rows[0] & rows[1]  # the ranks trained on different rows
     assert checksums[0] == pytest.approx(checksums[1], rel=1e-9)  # replicas agree
     assert len(set(checksums[0])) == steps  # and the weights did move every step
+
+
+def fp32_tolerance(n: int) -> float:
+    """Relative tolerance for comparing float32 results that were accumulated in a different order (another
+    backend, or the same server batching requests differently): n * eps, the classic bound on the relative
+    error of a length-n float32 dot product (Higham's gamma_n with unit roundoff eps / 2, doubled for two
+    independent roundings). Use the reduction length that dominates, e.g. the hidden size."""
+    return n * torch.finfo(torch.float32).eps
+
+
+def assert_same_greedy_replies(model, tokenizer, prompts: list[list[dict]], ours: list[str], theirs: list[str],
+                               tie: float = 1e-3) -> int:
+    """Greedy replies from two float32 backends (or two batchings of one server) agree token for token, except
+    where they part at a near-tie: at the first token where they differ, the verifier's logits for the two
+    tokens (recomputed here on the shared prefix) are within `tie` of each other relative to the largest
+    logit, so rounding in the last bits may order them either way. Everything after such a point is a
+    different continuation and is not compared. Returns the number of replies that parted at a near-tie."""
+    parted = 0
+    for messages, a, b in zip(prompts, ours, theirs, strict=True):
+        if a == b:
+            continue
+        ids_a = tokenizer(a, add_special_tokens=False)["input_ids"]
+        ids_b = tokenizer(b, add_special_tokens=False)["input_ids"]
+        k = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+        assert k < min(len(ids_a), len(ids_b)), f"one reply is a prefix of the other:\n{a!r}\n{b!r}"
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"] + ids_a[:k]
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix])).logits[0, -1].double()
+        gap = abs(float(logits[ids_a[k]] - logits[ids_b[k]])) / float(logits.abs().max())
+        assert gap < tie, (f"the replies part at token {k} where the verifier's logits differ by {gap:.2e} of the "
+                           f"largest (not a near-tie):\n{a!r}\n{b!r}")
+        parted += 1
+    return parted

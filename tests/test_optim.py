@@ -2,8 +2,6 @@
 
 import copy
 import math
-import statistics
-import time
 
 import pytest
 import torch
@@ -211,44 +209,33 @@ def test_resumed_optimizer_continues_bit_identically():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
 
 
-def _median_step_seconds(make_opt, params, gen, repeats):
-    opt = make_opt(params)
-    times = []
-    for _ in range(repeats + 1):  # the first step (buffer allocation, kernel selection) is a warm-up
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def test_cpu_muon_step_runs_every_matmul_in_float32():
+    """On a CPU without native bf16 matmuls torch's bfloat16 Newton-Schulz is emulated and 5-100x slower, so the
+    default Muon must never multiply in bfloat16 off CUDA. Checked op by op (the step's cost on each machine is
+    the muon_step benchmark's job, not a timed test's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default}
 
-def muon_over_adamw_step_time(make_muon, repeats=5):
-    """Median Muon step time over median AdamW step time, on three 1536x576 matrices, on one CPU thread.
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
 
-    One thread, because with other processes on a small machine multi-threaded kernels oversubscribe the cores
-    and stall (an AdamW step measured 285 ms instead of 6 ms), which makes the ratio meaningless."""
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                self.seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
     gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        params = [torch.nn.Parameter(torch.randn(1536, 576, generator=gen) * 0.02) for _ in range(3)]
-        adamw = _median_step_seconds(lambda ps: torch.optim.AdamW(ps, lr=1e-3), params, gen, repeats)
-        muon = _median_step_seconds(make_muon, [torch.nn.Parameter(p.detach().clone()) for p in params], gen, repeats)
-    finally:
-        torch.set_num_threads(threads)
-    return muon / adamw
-
-
-@pytest.mark.slow
-def test_cpu_muon_step_costs_a_bounded_multiple_of_an_adamw_step():
-    # Newton-Schulz is ~36 GFLOP here, AdamW a memory-bound pass over 2.7M values, so no Muon comes within 10x
-    # of AdamW on a CPU: float32 measures ~40-60x on a loaded 2-core AVX-512 machine. torch's bf16 Newton-Schulz
-    # without native bf16 matmuls measures ~1000x there (emulated with ONEDNN_MAX_CPU_ISA=AVX2 or with oneDNN
-    # off), more on a real AVX2 CPU; 200x sits between the two. With avx512_bf16 / AMX, bf16 is fast (~12x).
-    ratio = muon_over_adamw_step_time(lambda ps: MuonWithAdamW([(str(i), p) for i, p in enumerate(ps)], lr=1e-3,
-                                                               muon_names={"0", "1", "2"}))
-    assert ratio < 200, f"a Muon step costs {ratio:.0f}x an AdamW step"
+    params = [torch.nn.Parameter(torch.randn(64, 48, generator=gen) * 0.02) for _ in range(3)]
+    opt = MuonWithAdamW([(str(i), p) for i, p in enumerate(params)], lr=1e-3, muon_names={"0", "1"})
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    with MatmulDtypes() as spy:
+        opt.step()
+    assert spy.seen and set(spy.seen) == {torch.float32}, spy.seen  # Newton-Schulz ran, and only in float32
 
 
 @pytest.mark.gpu

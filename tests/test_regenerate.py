@@ -148,13 +148,12 @@ def closed_port() -> int:
 def test_an_unreachable_server_is_one_sentence(tmp_path, capsys):
     prompts = write_rows(tmp_path / "prompts.jsonl", [{"id": "a", "prompt": "Hi"}])
     url = f"http://127.0.0.1:{closed_port()}"
-    started = time.time()
     code = run_cli(main, ["--backend", "vllm", "--server", url, "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct",
                           "--prompts", prompts, "--out", str(tmp_path / "out.jsonl")])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 1 and err.startswith(f"error: the vLLM server {url} is unreachable (") and "refused" in err
     assert err.endswith("start it (`vllm serve HuggingFaceTB/SmolLM2-135M-Instruct`) or fix --server.")
-    assert time.time() - started < 30 and not (tmp_path / "out.jsonl").exists()  # refused before any work
+    assert not (tmp_path / "out.jsonl").exists()  # refused before any work
     with pytest.raises(UsageError, match="--backend vllm needs the server's URL; pass --server"):
         regenerate("x", prompts, str(tmp_path / "out.jsonl"), backend="vllm")
     with pytest.raises(UsageError, match="--server 127.0.0.1:8000 is not an http"):
@@ -214,6 +213,7 @@ def last_user(body):
 
 def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_path):
     flaky, lock = {"p3": 2}, threading.Lock()  # p3 answers 503 twice, then succeeds; p5 always fails
+    last_answered = threading.Event()
 
     def answer(body):
         prompt = last_user(body)
@@ -226,21 +226,33 @@ def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_p
         if prompt == "follow-up":  # the second turn sees the regenerated first reply
             assert body["messages"][-2] == assistant("reply to p0")
             return 200, completion("second reply", 3), 0.0
-        delay = 0.3 if prompt == "p0" else 0.05  # p0 finishes last although it started first
+        if prompt == "p0":  # p0 started first but finishes after the last row
+            assert last_answered.wait(timeout=120)
         finish = "length" if prompt == "p1" else "stop"
-        return 200, completion(f" reply to {prompt} ", 8 if finish == "length" else 4, finish), delay
+        if prompt == "p7":
+            last_answered.set()
+        return 200, completion(f" reply to {prompt} ", 8 if finish == "length" else 4, finish), 0.0
 
     server = StandIn(answer)
     rows = [{"id": "r0", "messages": [user("p0"), assistant("old"), user("follow-up")]},
             *({"id": f"r{i}", "prompt": f"p{i}"} for i in range(1, 8))]
     prompts = write_rows(tmp_path / "prompts.jsonl", rows)
     out = tmp_path / "out.jsonl"
+    completed, add = [], OrderedWriter.add
+
+    def recording_add(self, index, record):
+        completed.append(index)
+        return add(self, index, record)
+
     try:
-        result = regenerate(chat_verifier_dir, prompts, str(out), backend="vllm", server=server.url + "/v1",
-                            served_model_name="demo/model", max_new_tokens=8, concurrency=4, retries=2, backoff=0.01,
-                            seed=7)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(OrderedWriter, "add", recording_add)
+            result = regenerate(chat_verifier_dir, prompts, str(out), backend="vllm", server=server.url + "/v1",
+                                served_model_name="demo/model", max_new_tokens=8, concurrency=4, retries=2,
+                                backoff=0.01, seed=7)
+        assert completed.index(0) > completed.index(7)  # r0 completed after r7 ...
         written = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [r["id"] for r in written] == ["r0", "r1", "r2", "r3", "r4", "r6", "r7"]  # input order, r5 failed
+        assert [r["id"] for r in written] == ["r0", "r1", "r2", "r3", "r4", "r6", "r7"]  # ... yet input order; r5 failed
         assert written[0]["messages"] == [user("p0"), assistant("reply to p0"), user("follow-up"),
                                           assistant("second reply")]
         assert result["written"] == 7 and result["failed"] == 1 and result["turns"] == 8 and result["truncated"] == 1

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -65,12 +64,15 @@ def test_converted_model_generates_like_the_gguf(smollm2_dir):
     assert "Paris" in tokenizer.decode(outputs[1])
 
 
-def test_second_resolve_is_cached(smollm2_dir):
+def test_second_resolve_is_cached(smollm2_dir, monkeypatch):
     files = [Path(smollm2_dir) / name for name in ("model.safetensors", MARKER_FILE)]
     before = [f.stat().st_mtime_ns for f in files]
-    start = time.perf_counter()
+
+    def no_conversion(*args):
+        raise AssertionError("a converted model was converted again")
+
+    monkeypatch.setattr(small_models, "_convert", no_conversion)
     assert resolve_model(SMOLLM2) == smollm2_dir
-    assert time.perf_counter() - start < 1.0
     assert [f.stat().st_mtime_ns for f in files] == before
 
 
@@ -111,26 +113,36 @@ def test_missing_package_offline_names_the_pip_command(tmp_path, monkeypatch):
 def test_concurrent_resolves_convert_once_and_atomically(tmp_path, monkeypatch):
     entry = fake_entry()
     monkeypatch.setitem(REGISTRY, entry.hub_id, entry)
-    calls = []
+    calls, waiting, racing = [], threading.Semaphore(0), True
+    real_flock = small_models.fcntl.flock
+
+    def counting_flock(fd, operation):
+        if operation == small_models.fcntl.LOCK_EX:
+            waiting.release()  # this thread is at the lock (and blocks there if the other one holds it)
+        return real_flock(fd, operation)
 
     def fake_convert(entry, target, scratch):
         calls.append(target)
         build = scratch / "model"
         build.mkdir()
         (build / "config.json").write_text("{}")
-        time.sleep(0.3)  # long enough for the other thread to reach the lock
+        # Converting only starts once both threads have reached the lock, so the second one must wait for it.
+        if racing:
+            assert waiting.acquire(timeout=60) and waiting.acquire(timeout=60)
         assert not target.exists()  # nothing is visible before the atomic rename
         marker = {"conversion_version": small_models.CONVERSION_VERSION}
         (build / MARKER_FILE).write_text(json.dumps(marker))
         os.replace(build, target)
 
     monkeypatch.setattr(small_models, "_convert", fake_convert)
+    monkeypatch.setattr(small_models.fcntl, "flock", counting_flock)
     results = []
     threads = [threading.Thread(target=lambda: results.append(resolve_model(entry.hub_id, tmp_path))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    racing = False
     target = converted_path(entry.hub_id, tmp_path)
     assert results == [str(target)] * 2 and len(calls) == 1
     assert sorted(p.name for p in target.parent.iterdir()) == [f".{target.name}.lock", target.name]  # no debris

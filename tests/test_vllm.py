@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_ranks_trained_in_sync, vllm_python
+from conftest import ROOT, assert_ranks_trained_in_sync, fp32_tolerance, vllm_python
 
 from trainer.config import RunConfig
 from trainer.data import DSparkCollator, PackedDataset, pack_conversations
@@ -31,8 +31,6 @@ from trainer.vllm_states import VLLMStatesError, VLLMStateSource, read_states_fi
 
 pytestmark = pytest.mark.vllm
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
-# Relative Frobenius error of vLLM's fp32 states against transformers' (measured: <= 4e-5 on random ids).
-REL_TOL = 1e-4
 
 
 
@@ -87,6 +85,9 @@ def test_in_process_vllm_and_cache_sources_give_the_same_batches(server, shell, 
     in_process = InProcessVerifier(verifier, server.layer_ids[:-1])
     source = online(server, shell)
     source.check()
+    # Another backend's fp32 states differ by accumulation order: relative Frobenius error within H * eps
+    # (6.9e-5 for SmolLM2; measured 4e-7 on the aux states and 1.6e-6 on the last layer's).
+    tol = fp32_tolerance(shell.config.get_text_config().hidden_size)
     report = {}
     for name, src in (("in_process", in_process), ("vllm", source)):
         started = time.perf_counter()
@@ -96,22 +97,44 @@ def test_in_process_vllm_and_cache_sources_give_the_same_batches(server, shell, 
     for ours, ref, batch in zip(report["vllm"], report["in_process"], batches):
         pad = batch["document_ids"] < 0
         assert ours.aux_hidden_states.dtype == torch.float32 and ours.aux_hidden_states.shape == ref.aux_hidden_states.shape
-        assert rel(ours.aux_hidden_states, ref.aux_hidden_states) < REL_TOL
-        assert rel(ours.last_hidden_state, ref.last_hidden_state) < REL_TOL
+        assert rel(ours.aux_hidden_states, ref.aux_hidden_states) < tol
+        assert rel(ours.last_hidden_state, ref.last_hidden_state) < tol
         assert not ours.aux_hidden_states[pad].any() and not ours.last_hidden_state[pad].any()
         aux_diff = (ours.aux_hidden_states - ref.aux_hidden_states).abs().max()
         last_diff = (ours.last_hidden_state - ref.last_hidden_state).abs().max()
         print(f"max abs difference vLLM vs in-process: aux {aux_diff:.3g}, last {last_diff:.3g} "
-              f"(of max |x| {ref.aux_hidden_states.abs().max():.3g})")
-    # The cache written from the server holds the same states; read back, it gives the same batches exactly.
+              f"(of max |x| {ref.aux_hidden_states.abs().max():.3g}); relative {rel(ours.aux_hidden_states, ref.aux_hidden_states):.2g}"
+              f" (aux), {rel(ours.last_hidden_state, ref.last_hidden_state):.2g} (last)")
+    # The cache holds exactly what the writer received from the server, bit for bit. The writer asks the server
+    # again, and vLLM batches those requests differently from the first pass, so against the first pass the states
+    # agree only to float32 accumulation order.
+    received = {}
+    ask = source.document_states
+
+    def recording(documents):
+        results = ask(documents)
+        for d, (a, x) in zip(documents, results):
+            received[tuple(d.tolist())] = (a.clone(), x.clone())
+        return results
+
+    source.document_states = recording
     documents = [torch.tensor(ids) for ids in train_set["input_ids"]]
     summary = write_cache(source, documents, str(tmp_path / "cache"), shard_tokens=2048, progress=False)
-    assert summary["documents"] == len({tuple(d.tolist()) for d in documents})
+    del source.document_states
+    assert summary["documents"] == len({tuple(d.tolist()) for d in documents}) == len(received)
     cache = StatesCache(str(tmp_path / "cache"), teacher=source.teacher(), aux_layer_ids=server.layer_ids[:-1])
     for batch, ours in zip(batches, report["vllm"]):
         cached = cache.states(batch)
-        assert torch.equal(cached.aux_hidden_states, ours.aux_hidden_states)
-        assert torch.equal(cached.last_hidden_state, ours.last_hidden_state)
+        segments, docs = cache.documents(batch)
+        written_aux, written_last = torch.zeros_like(cached.aux_hidden_states), torch.zeros_like(cached.last_hidden_state)
+        for (r, s, e), d in zip(segments, docs):
+            written_aux[r, s:e], written_last[r, s:e] = received[tuple(d.tolist())]
+        assert torch.equal(cached.aux_hidden_states, written_aux)
+        assert torch.equal(cached.last_hidden_state, written_last)
+        print(f"vLLM first pass vs the cache's pass: relative {rel(cached.aux_hidden_states, ours.aux_hidden_states):.2g}"
+              f" (aux), {rel(cached.last_hidden_state, ours.last_hidden_state):.2g} (last); tolerance {tol:.2g}")
+        assert rel(cached.aux_hidden_states, ours.aux_hidden_states) < tol
+        assert rel(cached.last_hidden_state, ours.last_hidden_state) < tol
     source.close()
     # Prefetch (what the collator does one batch ahead): the requests run in the background, and the step then
     # takes the finished states without another request.
@@ -124,7 +147,7 @@ def test_in_process_vllm_and_cache_sources_give_the_same_batches(server, shell, 
     assert documents_in_batch == len(ahead.documents(batches[0])[1]) > 1
     prefetched = ahead.states(batches[0])
     assert ahead.stats["requests"] == documents_in_batch and not ahead._pending
-    assert torch.equal(prefetched.aux_hidden_states, report["vllm"][0].aux_hidden_states)
+    assert rel(prefetched.aux_hidden_states, report["vllm"][0].aux_hidden_states) < tol  # another pass, same data
     ahead.close()
     assert os.listdir(server.states_dir) == []  # every file and lock deleted after use
 
