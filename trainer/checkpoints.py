@@ -14,16 +14,22 @@
                                     dspark_calibration.json when its confidence head was calibrated)
       dspark_train_summary.json     the run's closing summary, written last: the run is finished
       batches-rank<r>.jsonl         with train.record_batches: the rows each rank trained on
+      .dspark-run.lock              held (flock) by the run in progress: its pid, host and start time; a second
+                                    run into the same output_dir is refused, a dead owner's lock is taken over
 
 Everything that reads or writes these names imports them from here.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import re
 import shutil
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +53,12 @@ SELECTORS = ("best", "latest", "final")
 # What a run writes at the top of its output_dir (the final drafter and the run's own files).
 _RUN_FILES = {"config.json", WEIGHTS_FILE, WEIGHTS_INDEX_FILE, *REMOTE_CODE_FILES, RUN_CONFIG_FILE, DATA_STATS_FILE,
               CALIBRATION_FILE, SUMMARY_FILE, TRAINING_ARGS_FILE, BEST_LINK, ADAPTER_DIR}
+RUN_LOCK_FILE = ".dspark-run.lock"
 _CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 _SELECTOR = re.compile(r"^(best|latest|final|\d+)$")
+
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(UsageError):
@@ -167,11 +177,14 @@ def previous_run(output_dir: str) -> list[str]:
     return found
 
 
-def check_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> None:
-    """A fresh run never silently replaces a previous one: refuse a file, and a directory holding checkpoints or
-    a finished run unless the run resumes it or `overwrite_output_dir` says to replace it."""
+def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, check_lock: bool = True) -> None:
+    """A fresh run never silently replaces a previous one: refuse a file, a directory a run is training into
+    (`check_lock`: only the process that will take the lock asks), and a directory holding checkpoints or a
+    finished run unless the run resumes it or `overwrite_output_dir` says to replace it."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise CheckpointError(f"train.output_dir {output_dir} is a file, not a directory; pass a new directory.")
+    if check_lock:
+        RunLock(output_dir).check()
     found = previous_run(output_dir)
     if found and not resume and not overwrite:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
@@ -197,6 +210,91 @@ def clear_run(output_dir: str) -> list[str]:
             shutil.rmtree(path)
         removed.append(name)
     return removed
+
+
+class RunLock:
+    """Exclusive ownership of an output_dir for one run (its main process), so two runs never train into one
+    directory and rotate away each other's checkpoints.
+
+    The kernel's `flock` is the lock: it is released when the owner exits however it dies (kill -9 included), so
+    a lock left by a dead run is simply taken over. The file's contents (pid, host, start time, command) only
+    name the owner in the refusal and in the takeover warning. The file is never deleted (deleting a lock file
+    that another process has open lets two processes lock two different files); releasing empties it."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, RUN_LOCK_FILE)
+        self.fd: int | None = None
+
+    def check(self) -> None:
+        """Refuse now, without creating anything, if a live run holds the lock (what `acquire` would refuse)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._refuse(fd)
+        finally:
+            os.close(fd)  # closing drops a lock this probe took
+
+    def _refuse(self, fd: int):
+        raise CheckpointError(f"train.output_dir {os.path.dirname(self.path)} is in use by a run in progress "
+                              f"({_describe_owner(_lock_owner(fd))}); wait for it to finish, stop it, or pass "
+                              f"another --output_dir.") from None
+
+    def acquire(self) -> RunLock:
+        output_dir = os.path.dirname(self.path) or "."
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise CheckpointError(f"train.output_dir {output_dir} is a file, not a directory; pass a new directory.")
+        os.makedirs(output_dir, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                self._refuse(fd)
+            finally:
+                os.close(fd)
+        previous = _lock_owner(fd)
+        if previous.get("pid"):
+            logger.warning("train.output_dir %s: taking over the lock of a run that is no longer running (%s)",
+                           os.path.dirname(self.path), _describe_owner(previous))
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "argv": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        os.ftruncate(self.fd, 0)  # a finished run leaves no owner to report
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_owner(fd: int) -> dict:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _describe_owner(owner: dict) -> str:
+    if not owner.get("pid"):
+        return "owner unknown"
+    return f"pid {owner['pid']} on host {owner.get('host', '?')}, started {owner.get('started', '?')}"
 
 
 # ------------------------------------------------------------------------------------------ resume

