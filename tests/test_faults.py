@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT
 
 from trainer.checkpoints import RUN_LOCK_FILE, CheckpointError, RunLock, is_complete, latest_checkpoint
@@ -58,9 +59,11 @@ def wait_for(condition, proc: subprocess.Popen, log: Path, timeout=300, what="th
         time.sleep(0.05)
 
 
-def last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+def error_line(text: str) -> str:
+    """The one `error: ...` line a failed command printed (a progress bar may still close after it)."""
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, text[-3000:]
+    return errors[0]
 
 
 # ------------------------------------------------------------------------------------------ the run lock
@@ -104,7 +107,7 @@ def test_two_runs_into_one_output_dir_and_a_killed_owner(chat_verifier_dir, chat
         for extra in ([], ["--resume_from_checkpoint", "latest"], ["--overwrite_output_dir", "true"]):
             second = subprocess.run([*args, *extra], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300)
             assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
-            assert last_line(second.stderr) == (
+            assert error_line(second.stderr) == (
                 f"error: train.output_dir {out} is in use by a run in progress (pid {owner.pid} on host "
                 f"{socket.gethostname()}, started {json.loads((out / RUN_LOCK_FILE).read_text())['started']}); "
                 f"wait for it to finish, stop it, or pass another --output_dir."), second.stderr[-3000:]
@@ -124,3 +127,84 @@ def test_two_runs_into_one_output_dir_and_a_killed_owner(chat_verifier_dir, chat
     assert json.loads((out / "dspark_train_summary.json").read_text())["global_step"] == killed_at + 4
     assert all(is_complete(str(p)) for p in out.glob("checkpoint-[0-9]*"))
     assert (out / RUN_LOCK_FILE).read_text() == ""
+
+
+# ------------------------------------------------------------------------------------------ checkpoint saves
+def fault_env(tmp_path: Path, spec: str) -> dict:
+    """The environment of a subprocess whose `spec` fault (tests/fault_hook/sitecustomize.py) fires once."""
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fault_hook"), str(ROOT)]),
+            "DSPARK_FAULT": spec, "DSPARK_FAULT_REACHED": str(tmp_path / "fault-reached")}
+
+
+def assert_loadable_checkpoint(path: Path) -> None:
+    """A checkpoint that a user could resume, export or serve: the marker, a readable config and weights."""
+    from modeling_dspark import DSparkDraftModel
+    from trainer.servable import check_folder
+
+    assert is_complete(str(path)), path
+    check_folder(path)
+    DSparkDraftModel.from_pretrained(str(path))
+
+
+def final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(chat_verifier_dir, chat_data_file, tmp_path_factory):
+    """The 6-step run the interrupted runs below must end equal to."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    proc = subprocess.run(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
+                                   "--validation_ratio", "0"), cwd=ROOT, capture_output=True, text=True, env=ENV,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(out)
+
+
+def assert_same_weights(ours: dict, reference: dict) -> None:
+    assert ours.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.allclose(ours[name], value, rtol=1e-5, atol=1e-6), name
+
+
+def resume_and_finish(chat_verifier_dir, chat_data_file, out: Path, log: Path) -> None:
+    proc = start(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
+                          "--validation_ratio", "0", "--resume_from_checkpoint", "latest"), log)
+    assert finish(proc) == 0, log.read_text()[-3000:]
+
+
+def test_a_full_disk_during_a_checkpoint_save(chat_verifier_dir, chat_data_file, tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    env = fault_env(tmp_path, "safetensors.torch:save_file:checkpoint-4:half-enospc")
+    proc = subprocess.run(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
+                                   "--validation_ratio", "0"), cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert error_line(proc.stderr) == (
+        f"error: the disk of {out} filled up while saving checkpoint-4, which was removed (checkpoint-2 is the newest "
+        f"complete checkpoint); free some space and rerun the same command with --resume_from_checkpoint latest.")
+    assert sorted(p.name for p in out.glob("*checkpoint-*")) == ["checkpoint-2"]
+    assert_loadable_checkpoint(out / "checkpoint-2")
+    resume_and_finish(chat_verifier_dir, chat_data_file, out, tmp_path / "rerun.log")
+    assert_same_weights(final_weights(out), uninterrupted)
+
+
+def test_kill_9_during_a_checkpoint_save(chat_verifier_dir, chat_data_file, tmp_path, uninterrupted):
+    """Killed with checkpoint-4's weights half written: the rerun sets it aside, resumes from checkpoint-2 and ends
+    where an uninterrupted run ends."""
+    out = tmp_path / "out"
+    env = fault_env(tmp_path, "safetensors.torch:save_file:checkpoint-4:half-pause")
+    proc = start(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
+                          "--validation_ratio", "0"), tmp_path / "killed.log", env=env)
+    wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the save")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not is_complete(str(out / "checkpoint-4")) and latest_checkpoint(str(out)) == str(out / "checkpoint-2")
+    resume_and_finish(chat_verifier_dir, chat_data_file, out, tmp_path / "rerun.log")
+    assert "checkpoint " in (log := (tmp_path / "rerun.log").read_text()) and "moved aside" in log
+    assert (out / "incomplete-checkpoint-4").is_dir()  # kept for inspection, never resumed from
+    for path in out.glob("checkpoint-[0-9]*"):
+        assert_loadable_checkpoint(path)
+    assert_same_weights(final_weights(out), uninterrupted)

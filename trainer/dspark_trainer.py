@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -41,7 +42,7 @@ from trainer.checkpoints import (
     update_best_link,
     write_data_stats,
 )
-from trainer.errors import DSparkError, UsageError
+from trainer.errors import DSparkError, UsageError, is_disk_full
 from trainer.hidden_states import CachedStates, HiddenStateSource
 from trainer.objective import ObjectiveConfig, dspark_loss, reduce_stats, sample_anchors, stat_names
 
@@ -244,10 +245,23 @@ class DSparkTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
 
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
+        directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as e:
+            if not is_disk_full(e):
+                raise
+            # The half-written checkpoint goes (it frees the space it took); the previous one is untouched, since
+            # rotation only runs after a checkpoint is complete.
+            if self.args.should_save:
+                shutil.rmtree(directory, ignore_errors=True)
+            kept = latest_checkpoint(self.args.output_dir)
+            raise DSparkError(
+                f"the disk of {self.args.output_dir} filled up while saving {os.path.basename(directory)}, which was "
+                f"removed ({f'{os.path.basename(kept)} is the newest complete checkpoint' if kept else 'no earlier checkpoint'}"
+                f"); free some space and rerun the same command with --resume_from_checkpoint latest.") from e
         if not self.args.should_save:
             return
-        directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         mark_complete(directory, self.state.global_step)
         self.update_best_link()
         rotate_checkpoints(self.args.output_dir, self.save_total_limit, self.state.best_model_checkpoint)

@@ -8,6 +8,7 @@ traceback. `--debug` (or `DSPARK_DEBUG=1`) shows the traceback of expected failu
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -25,6 +26,14 @@ class UsageError(DSparkError, ValueError):
     `ValueError`, so library callers that catch `ValueError` keep working."""
 
     exit_code = 2
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """A write failed because the disk (or the user's quota) is full. torch's own writer reports it as a
+    RuntimeError without an errno, so that one is recognised by its message."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and "file write failed" in str(error)
 
 
 def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None, redact: tuple[str, ...] = ()) -> int:

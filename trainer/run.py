@@ -58,7 +58,7 @@ from trainer.data import (  # noqa: E402
     split_train_validation,
 )
 from trainer.dspark_trainer import DSparkTrainer  # noqa: E402
-from trainer.errors import UsageError, run_cli  # noqa: E402
+from trainer.errors import DSparkError, UsageError, is_disk_full, run_cli  # noqa: E402
 from trainer.hidden_states import HiddenStateSource, InProcessVerifier, verifier_teacher  # noqa: E402
 from trainer.optim import MuonAdamWFactory  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
@@ -217,7 +217,14 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     trainer.args.eval_on_start = has_validation and t.eval_at_start and resume is None
     result = trainer.train(resume_from_checkpoint=resume)
     initial = next((h for h in trainer.state.log_history if h.get("step") == 0 and "eval_accept_len" in h), None)
-    trainer.save_model(t.output_dir)
+    try:
+        trainer.save_model(t.output_dir)
+    except (OSError, RuntimeError) as e:
+        if not is_disk_full(e):
+            raise
+        raise DSparkError(f"the disk of {t.output_dir} filled up while writing the final drafter (the newest "
+                          f"complete checkpoint, {latest_checkpoint(t.output_dir)}, is kept); free some space and "
+                          f"rerun the same command with --resume_from_checkpoint latest.") from e
     trainer.update_best_link()
     final = trainer.evaluate() if has_validation else {}
     calibration = calibrate_confidence(trainer, drafter, config, has_validation)

@@ -27,7 +27,6 @@ whose plan differs (other data, aux ids, hidden size, dtype, shard size) is refu
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import logging
@@ -43,7 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from trainer.errors import DSparkError, UsageError, run_cli
+from trainer.errors import DSparkError, UsageError, is_disk_full, run_cli
 from trainer.hidden_states import DocumentStateSource, aux_layer_ids_for_config, document_key
 from trainer.objective import Teacher
 
@@ -368,7 +367,7 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
                 written_bytes += write_safetensors(path, {"aux": aux, "last": last, "offsets": offsets},
                                                    shard_metadata(plan, shard))
             except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                if is_disk_full(e):
                     raise DSparkError(f"the disk of cache {cache_dir} filled up while writing {shard['file']} "
                                       f"({len(plan['shards']) - len(todo) + done} of {len(plan['shards'])} shards are "
                                       f"finished and kept); free some space and rerun the same command to resume."

@@ -1,0 +1,60 @@
+"""Fault injection for the subprocesses of tests/test_faults.py; inert unless DSPARK_FAULT is set.
+
+`DSPARK_FAULT="<module>:<function>:<substring>:<action>"` wraps `<module>.<function>` at interpreter start
+(before the package imports it by name), and the first call whose path argument contains `<substring>` does
+`<action>` instead of returning normally:
+
+    pause          touch $DSPARK_FAULT_REACHED and sleep, so the test can kill the process right there
+    half-pause     write the file, cut it to half its size (a write the kill interrupted), then pause
+    half-enospc    write the file, cut it to half, then raise ENOSPC (the disk filled up mid-write)
+
+Only tests put this directory on PYTHONPATH.
+"""
+
+import errno
+import functools
+import importlib
+import os
+import time
+
+_SPEC = os.environ.get("DSPARK_FAULT")
+
+
+def _install(spec: str) -> None:
+    module_name, function_name, substring, action = spec.split(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, function_name)
+    fired = []
+
+    def path_argument(args, kwargs):
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, (str, os.PathLike)) and substring in os.fspath(value):
+                return os.fspath(value)
+        return None
+
+    def pause():
+        open(os.environ["DSPARK_FAULT_REACHED"], "w").close()
+        time.sleep(3600)
+
+    @functools.wraps(original)
+    def faulty(*args, **kwargs):
+        path = None if fired else path_argument(args, kwargs)
+        if path is None:
+            return original(*args, **kwargs)
+        fired.append(path)
+        if action == "pause":
+            pause()
+        result = original(*args, **kwargs)
+        if os.path.isfile(path):
+            os.truncate(path, os.path.getsize(path) // 2)
+        if action == "half-pause":
+            pause()
+        if action == "half-enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return result
+
+    setattr(module, function_name, faulty)
+
+
+if _SPEC:
+    _install(_SPEC)
