@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 from modeling_dspark import positions_from_document_ids, verifier_hidden_states
 from tiny import VOCAB, tiny_drafter
 from trainer.calibration import (
+    FOLD_METADATA_KEY,
     HEAD_BIAS,
     HEAD_WEIGHT,
+    applied_fold,
     calibration_record,
     cumprod_bias,
     expected_calibration_error,
@@ -120,14 +122,16 @@ def test_the_folded_head_is_written_atomically_and_only_to_the_fitted_weights(ge
     head = dict(zip((HEAD_WEIGHT, HEAD_BIAS), fold(original[HEAD_WEIGHT], original[HEAD_BIAS], 2.0, 0.5)))
     other = {**reference, "fc.weight": reference["fc.weight"] + 1e-6}  # another model: refused, file untouched
     before = path.read_bytes()
-    assert not write_folded_head(tmp_path, head, other) and path.read_bytes() == before
-    assert write_folded_head(tmp_path, head, reference)
+    assert not write_folded_head(tmp_path, head, other, 2.0, 0.5) and path.read_bytes() == before
+    assert applied_fold(tmp_path) is None
+    assert write_folded_head(tmp_path, head, reference, 2.0, 0.5)
     rewritten = load_file(path)
     assert torch.equal(rewritten[HEAD_WEIGHT], 2.0 * original[HEAD_WEIGHT])
     assert torch.equal(rewritten[HEAD_BIAS], (2.0 * original[HEAD_BIAS].double() + 0.5).float())
     assert all(torch.equal(rewritten[k], v) for k, v in original.items() if k not in head)
-    with safe_open(str(path), framework="pt") as f:
-        assert f.metadata() == metadata
+    with safe_open(str(path), framework="pt") as f:  # the fold travels with the weights, in one rename
+        assert f.metadata() == {**metadata, FOLD_METADATA_KEY: json.dumps({"a": 2.0, "c": 0.5})}
+    assert applied_fold(tmp_path) == {"a": 2.0, "c": 0.5}
     assert sorted(os.listdir(tmp_path)) == sorted(p for p in os.listdir(tmp_path) if not p.endswith(".tmp"))
 
 

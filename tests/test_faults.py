@@ -177,7 +177,7 @@ def resume_and_finish(chat_verifier_dir, chat_data_file, out: Path, log: Path) -
 
 def test_a_full_disk_during_a_checkpoint_save(chat_verifier_dir, chat_data_file, tmp_path, uninterrupted):
     out = tmp_path / "out"
-    env = fault_env(tmp_path, "safetensors.torch:save_file:checkpoint-4:half-enospc")
+    env = fault_env(tmp_path, "safetensors.torch:save_file:*/checkpoint-4/*:half-enospc")
     proc = subprocess.run(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
                                    "--validation_ratio", "0"), cwd=ROOT, capture_output=True, text=True, env=env,
                           timeout=600)
@@ -195,7 +195,7 @@ def test_kill_9_during_a_checkpoint_save(chat_verifier_dir, chat_data_file, tmp_
     """Killed with checkpoint-4's weights half written: the rerun sets it aside, resumes from checkpoint-2 and ends
     where an uninterrupted run ends."""
     out = tmp_path / "out"
-    env = fault_env(tmp_path, "safetensors.torch:save_file:checkpoint-4:half-pause")
+    env = fault_env(tmp_path, "safetensors.torch:save_file:*/checkpoint-4/*:half-pause")
     proc = start(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
                           "--validation_ratio", "0"), tmp_path / "killed.log", env=env)
     wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the save")
@@ -208,3 +208,91 @@ def test_kill_9_during_a_checkpoint_save(chat_verifier_dir, chat_data_file, tmp_
     for path in out.glob("checkpoint-[0-9]*"):
         assert_loadable_checkpoint(path)
     assert_same_weights(final_weights(out), uninterrupted)
+
+
+# ------------------------------------------------------------------------------------------ calibration's fold
+# One checkpoint, so checkpoint-best is also the one `--resume_from_checkpoint latest` resumes from.
+CALIBRATED = ["--max_steps", "2", "--save_steps", "2", "--eval_steps", "2", "--calibrate_confidence", "true"]
+BEST_FOLD = "safetensors.torch:save_file:*/checkpoint-*/model.safetensors.tmp"  # the fold into checkpoint-best
+
+
+@pytest.fixture(scope="module")
+def calibrated(chat_verifier_dir, chat_data_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("calibrated") / "out"
+    proc = subprocess.run(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), cwd=ROOT,
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def assert_calibrated_like(out: Path, reference: Path) -> None:
+    """Both the final drafter and checkpoint-best carry the fold, in their weights, equal to the reference run's."""
+    from trainer.calibration import applied_fold
+
+    best = (out / "checkpoint-best").resolve()
+    assert best.name == (reference / "checkpoint-best").resolve().name
+    for ours, theirs in ((out, reference), (best, (reference / "checkpoint-best").resolve())):
+        fold_ours, fold_theirs = applied_fold(ours), applied_fold(theirs)
+        assert fold_ours is not None and fold_ours == pytest.approx(fold_theirs, rel=1e-4)
+        assert_same_weights(final_weights(ours), final_weights(theirs))
+    assert_loadable_checkpoint(best)
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_kill_9_during_calibrations_fold_into_checkpoint_best(chat_verifier_dir, chat_data_file, tmp_path,
+                                                              calibrated):
+    from trainer.calibration import applied_fold
+
+    out = tmp_path / "out"
+    proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), tmp_path / "killed.log",
+                 env=fault_env(tmp_path, f"{BEST_FOLD}:half-pause"))
+    wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the fold")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    best = (out / "checkpoint-best").resolve()
+    assert applied_fold(best) is None  # the half-written file is the temporary one: best is intact, unfolded
+    assert_loadable_checkpoint(best)
+    resume_calibrated(chat_verifier_dir, chat_data_file, out, tmp_path / "rerun.log")
+    assert_calibrated_like(out, calibrated)
+
+
+def test_kill_9_between_the_folded_weights_and_the_calibration_record(chat_verifier_dir, chat_data_file, tmp_path,
+                                                                     calibrated):
+    """checkpoint-best's weights are folded but its record is not written yet: the fold is read from the weights
+    file itself, so the rerun, resuming from that checkpoint, unfolds it instead of training on a folded head."""
+    from trainer.calibration import applied_fold
+
+    out = tmp_path / "out"
+    env = fault_env(tmp_path, "trainer.checkpoints:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
+    proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), tmp_path / "killed.log", env=env)
+    wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the record")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    best = (out / "checkpoint-best").resolve()
+    assert applied_fold(best) is not None and not (best / "dspark_calibration.json").exists()
+    resume_calibrated(chat_verifier_dir, chat_data_file, out, tmp_path / "rerun.log")
+    assert_calibrated_like(out, calibrated)
+    assert (best / "dspark_calibration.json").exists()
+
+
+def test_a_full_disk_during_calibrations_fold(chat_verifier_dir, chat_data_file, tmp_path, calibrated):
+    out = tmp_path / "out"
+    proc = subprocess.run(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), cwd=ROOT,
+                          capture_output=True, text=True, env=fault_env(tmp_path, f"{BEST_FOLD}:half-enospc"),
+                          timeout=600)
+    best = (out / "checkpoint-best").resolve()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert error_line(proc.stderr) == (
+        f"error: the disk of {best} filled up while folding the confidence calibration into model.safetensors, "
+        f"which is unchanged (not calibrated); free some space and rerun the same command with "
+        f"--resume_from_checkpoint latest.")
+    assert not list(out.rglob("*.tmp"))
+    assert_loadable_checkpoint(best)
+    resume_calibrated(chat_verifier_dir, chat_data_file, out, tmp_path / "rerun.log")
+    assert_calibrated_like(out, calibrated)
+
+
+def resume_calibrated(chat_verifier_dir, chat_data_file, out: Path, log: Path) -> None:
+    proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED, "--resume_from_checkpoint", "latest"),
+                 log)
+    assert finish(proc) == 0, log.read_text()[-3000:]

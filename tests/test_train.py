@@ -83,7 +83,7 @@ def test_resume_continues_the_same_schedule(chat_verifier_dir, chat_data_file, t
 
         weights = load_file(resumed / "checkpoint-6" / "model.safetensors")
         head = dict(zip((HEAD_WEIGHT, HEAD_BIAS), fold(weights[HEAD_WEIGHT], weights[HEAD_BIAS], 1.5, -0.7)))
-        assert write_folded_head(resumed / "checkpoint-6", head, weights)
+        assert write_folded_head(resumed / "checkpoint-6", head, weights, 1.5, -0.7)
         write_record(resumed / "checkpoint-6", {"a": 1.5, "c": -0.7})
     # resuming divides the fold out again, so the run continues from the trained head
     summary = train(config(chat_verifier_dir, chat_data_file, resumed, "--max_steps", "12", "--eval_steps", "6",

@@ -6,12 +6,15 @@ two-parameter logistic map `sigmoid(a*z + c)` of the head's logits z is fitted t
 validation split (soft-target BCE, Newton in float64) and folded into the head's last linear layer,
 `proj.weight' = a*proj.weight`, `proj.bias' = a*proj.bias + c`: the served tensors themselves are calibrated, so
 vLLM needs no new config key. What was fitted and how well (`CALIBRATION_FILE`, schema `CALIBRATION_SCHEMA`)
-is written next to the folded weights, which is what the model card reports and what lets a resumed run undo
-the fold (`unfold_head`) and continue from exactly the trained weights.
+is written next to the folded weights, which is what the model card reports. The fold itself, `(a, c)`, also
+travels inside the weights file's metadata (`FOLD_METADATA_KEY`), written by the same atomic rename as the folded
+tensors: that is what lets a resumed run undo the fold (`unfold_head`) and continue from exactly the trained
+weights, and a kill between the weights and the record can never leave folded weights that look unfolded.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -19,12 +22,14 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoints import CALIBRATION_FILE, write_json_atomic
+from trainer.errors import DSparkError, is_disk_full
 from trainer.servable import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, read_json
 
 CALIBRATION_SCHEMA = "dspark-calibration/1"
 HEAD_WEIGHT, HEAD_BIAS = "confidence_head.proj.weight", "confidence_head.proj.bias"
 BINS = 10
 MIN_SLOPE = 1e-3  # below this the fit says the logits carry no signal; folding would erase the head
+FOLD_METADATA_KEY = "dspark_confidence_fold"  # '{"a": .., "c": ..}' in the safetensors header of folded weights
 
 
 # ------------------------------------------------------------------------------------------------ the fit
@@ -153,15 +158,29 @@ def fold_head(head: torch.nn.Linear, a: float, c: float) -> None:
 
 @torch.no_grad()
 def unfold_head(head: torch.nn.Linear, directory: str | os.PathLike) -> dict | None:
-    """Undo the fold recorded in `directory` (if any) on a head just loaded from it; returns the record."""
-    path = Path(directory) / CALIBRATION_FILE
-    if not path.exists():
+    """Undo the fold recorded in `directory` (if any) on a head just loaded from it; returns the fold `{a, c}`."""
+    fold_record = applied_fold(directory)
+    if fold_record is None:
         return None
-    record = read_json(path)
-    w, b = unfold(head.weight, head.bias, float(record["a"]), float(record["c"]))
+    w, b = unfold(head.weight, head.bias, float(fold_record["a"]), float(fold_record["c"]))
     head.weight.copy_(w)
     head.bias.copy_(b)
-    return record
+    return fold_record
+
+
+def applied_fold(directory: str | os.PathLike) -> dict | None:
+    """The `(a, c)` folded into the weights in `directory`, read from the weights file itself; checkpoints written
+    before the fold was stored there fall back to their `CALIBRATION_FILE`."""
+    from safetensors import safe_open
+
+    path = _weights_file(Path(directory))
+    if path.exists():
+        with safe_open(str(path), framework="pt") as f:
+            stored = (f.metadata() or {}).get(FOLD_METADATA_KEY)
+        if stored is not None:
+            return json.loads(stored)
+    record = Path(directory) / CALIBRATION_FILE
+    return read_json(record) if record.exists() else None
 
 
 def _weights_file(directory: Path) -> Path:
@@ -172,12 +191,13 @@ def _weights_file(directory: Path) -> Path:
 
 
 def write_folded_head(directory: str | os.PathLike, head: dict[str, torch.Tensor],
-                      reference: dict[str, torch.Tensor]) -> bool:
-    """Replace the confidence-head tensors of the checkpoint in `directory` with `head` (already folded), but
-    only when every other tensor of its weights file equals `reference` (the unfolded model in memory): the
-    fit is valid for exactly those weights. The file is rewritten through a temporary file and a rename, so the
-    directory never holds half a file and its completion marker and trainer state stay valid. Returns whether
-    the checkpoint was the reference model (False: left untouched)."""
+                      reference: dict[str, torch.Tensor], a: float, c: float) -> bool:
+    """Replace the confidence-head tensors of the checkpoint in `directory` with `head` (already folded with
+    `(a, c)`), but only when every other tensor of its weights file equals `reference` (the unfolded model in
+    memory): the fit is valid for exactly those weights. The file, with the fold in its metadata, is rewritten
+    through a temporary file and a rename, so the directory never holds half a file and its completion marker
+    and trainer state stay valid. Returns whether the checkpoint was the reference model (False: left
+    untouched)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -197,8 +217,19 @@ def write_folded_head(directory: str | os.PathLike, head: dict[str, torch.Tensor
             return False
     for name, value in head.items():
         tensors[name] = value.detach().to("cpu", tensors[name].dtype).contiguous()
+    metadata = {**(metadata or {}), FOLD_METADATA_KEY: json.dumps({"a": a, "c": c})}
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise DSparkError(f"the disk of {directory} filled up while folding the confidence calibration into "
+                              f"{path.name}, which is unchanged (not calibrated); free some space and rerun the same "
+                              f"command with --resume_from_checkpoint latest.") from e
+        raise
     os.replace(tmp, path)
     return True
 

@@ -33,6 +33,7 @@ from modeling_dspark import DSparkDraftModel
 from trainer.calibration import unfold_head
 from trainer.checkpoints import (
     ADAPTER_DIR,
+    CALIBRATION_FILE,
     CHECKPOINT_PREFIX,
     TRAINING_ARGS_FILE,
     batch_log_file,
@@ -238,6 +239,9 @@ class DSparkTrainer(Trainer):
         if state_dict is not None:
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith("verifier")}
         model.save_pretrained(output_dir, state_dict=state_dict)
+        # These weights are unfolded: a calibration record an earlier attempt left here no longer describes them.
+        if os.path.exists(os.path.join(output_dir, CALIBRATION_FILE)):
+            os.remove(os.path.join(output_dir, CALIBRATION_FILE))
         if self.run_config is not None:
             self.run_config.save(output_dir)
         if self.data_stats is not None:

@@ -341,7 +341,7 @@ def calibrate_confidence(trainer: DSparkTrainer, drafter: DSparkDraftModel, conf
     applied = []
     if args.should_save:
         for directory in dict.fromkeys(d for d in (t.output_dir, trainer.state.best_model_checkpoint) if d):
-            if write_folded_head(directory, folded, reference):
+            if write_folded_head(directory, folded, reference, a, c):
                 write_record(directory, record)  # after the weights: the record's presence means they are folded
                 applied.append(directory)
             else:

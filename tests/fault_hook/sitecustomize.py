@@ -1,8 +1,8 @@
 """Fault injection for the subprocesses of tests/test_faults.py; inert unless DSPARK_FAULT is set.
 
-`DSPARK_FAULT="<module>:<function>:<substring>:<action>"` wraps `<module>.<function>` at interpreter start
-(before the package imports it by name), and the first call whose path argument contains `<substring>` does
-`<action>` instead of returning normally:
+`DSPARK_FAULT="<module>:<function>:<pattern>:<action>"` wraps `<module>.<function>` at interpreter start
+(before the package imports it by name), and the first call with a path argument that matches the fnmatch
+`<pattern>` does `<action>` instead of returning normally:
 
     pause          touch $DSPARK_FAULT_REACHED and sleep, so the test can kill the process right there
     half-pause     write the file, cut it to half its size (a write the kill interrupted), then pause
@@ -12,6 +12,7 @@ Only tests put this directory on PYTHONPATH.
 """
 
 import errno
+import fnmatch
 import functools
 import importlib
 import os
@@ -21,14 +22,14 @@ _SPEC = os.environ.get("DSPARK_FAULT")
 
 
 def _install(spec: str) -> None:
-    module_name, function_name, substring, action = spec.split(":")
+    module_name, function_name, pattern, action = spec.split(":")
     module = importlib.import_module(module_name)
     original = getattr(module, function_name)
     fired = []
 
     def path_argument(args, kwargs):
         for value in [*args, *kwargs.values()]:
-            if isinstance(value, (str, os.PathLike)) and substring in os.fspath(value):
+            if isinstance(value, (str, os.PathLike)) and fnmatch.fnmatch(os.fspath(value), pattern):
                 return os.fspath(value)
         return None
 
