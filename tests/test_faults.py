@@ -8,6 +8,7 @@ bounded in time and killed with their process group on failure.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import torch
 from conftest import ROOT
 
 from trainer.checkpoints import RUN_LOCK_FILE, CheckpointError, RunLock, is_complete, latest_checkpoint
+from trainer.errors import UsageError
 
 pytestmark = pytest.mark.faults
 TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -296,3 +298,96 @@ def resume_calibrated(chat_verifier_dir, chat_data_file, out: Path, log: Path) -
     proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED, "--resume_from_checkpoint", "latest"),
                  log)
     assert finish(proc) == 0, log.read_text()[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ the offline cache
+def cache_args(verifier, data, cache_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "trainer.states_cache", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
+            "--verifier", verifier, "--train_data", data, "--max_seq_length", "128", "--total_seq_length", "256"]
+
+
+def cache_tensors(cache_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(str(p)) for p in sorted(cache_dir.glob("shard-*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def complete_cache(chat_verifier_dir, chat_data_file, tmp_path_factory) -> Path:
+    cache_dir = tmp_path_factory.mktemp("cache") / "states"
+    proc = subprocess.run(cache_args(chat_verifier_dir, chat_data_file, cache_dir), cwd=ROOT, capture_output=True,
+                          text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(cache_dir.glob("shard-*.safetensors"))) > 3
+    return cache_dir
+
+
+def assert_same_cache(ours: Path, reference: Path) -> None:
+    from trainer.states_cache import StatesCache
+
+    StatesCache(str(ours))  # complete and readable
+    a, b = cache_tensors(ours), cache_tensors(reference)
+    assert a.keys() == b.keys()
+    for name in a:
+        for key in ("aux", "last", "offsets"):
+            assert torch.allclose(a[name][key], b[name][key], rtol=1e-5, atol=1e-5), (name, key)
+
+
+def test_kill_9_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp_path, complete_cache):
+    from trainer.states_cache import COMPLETE_FILE, StatesCache
+
+    cache_dir = tmp_path / "states"
+    proc = start(cache_args(chat_verifier_dir, chat_data_file, cache_dir), tmp_path / "killed.log",
+                 env=fault_env(tmp_path, "os:replace:*/shard-00002.safetensors.tmp:pause"))  # written, not renamed
+    wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the third shard")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert sorted(p.name for p in cache_dir.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors",
+                                                                 "shard-00002.safetensors.tmp"]
+    assert not (cache_dir / COMPLETE_FILE).exists()
+    with pytest.raises(UsageError, match=rf"cache {cache_dir} is incomplete \(2 of \d+ shards\); rerun the"):
+        StatesCache(str(cache_dir))  # a training run refuses it rather than reading half a cache
+    rerun = subprocess.run(cache_args(chat_verifier_dir, chat_data_file, cache_dir), cwd=ROOT, capture_output=True,
+                           text=True, env=ENV, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "removing shard-00002.safetensors.tmp, left half-written by an interrupted run" in rerun.stdout
+    assert re.search(r"complete: \d+ shards written, 2 skipped \(already done\)", rerun.stdout), rerun.stdout[-3000:]
+    assert_same_cache(cache_dir, complete_cache)
+
+
+def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp_path, complete_cache, monkeypatch):
+    """The disk fills while the third shard is written (ENOSPC from the file's write, after half of it): the
+    shards before it stay, the partial file goes, one sentence says how many are kept; the rerun resumes."""
+    import contextlib
+    import errno
+    import io
+
+    import trainer.states_cache as states_cache
+    from trainer.errors import run_cli
+
+    class FillingFile(io.FileIO):
+        def write(self, data):
+            if self.tell() > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+            return super().write(data)
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith("shard-00002.safetensors.tmp") and "w" in mode:
+            return FillingFile(path, "w")
+        return open(path, mode, *args, **kwargs)
+
+    cache_dir = tmp_path / "states"
+    argv = cache_args(chat_verifier_dir, chat_data_file, cache_dir)[3:]
+    monkeypatch.setattr(states_cache, "open", filling_open, raising=False)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        assert run_cli(states_cache.main, argv) == 1
+    total = len(list(complete_cache.glob("shard-*.safetensors")))
+    assert error_line(stderr.getvalue()) == (
+        f"error: the disk of cache {cache_dir} filled up while writing shard-00002.safetensors (2 of {total} shards "
+        f"are finished and kept); free some space and rerun the same command to resume.")
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["plan.json", "shard-00000.safetensors",
+                                                           "shard-00001.safetensors"]  # no partial file
+    monkeypatch.undo()
+    assert run_cli(states_cache.main, argv) == 0
+    assert_same_cache(cache_dir, complete_cache)
