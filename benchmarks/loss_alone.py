@@ -313,7 +313,7 @@ def naive_rows_plan(shape, draft_vocab, anchors, tmp, budget_bytes, threads) -> 
 def compare(a_file: str, b_file: str) -> dict:
     import torch
 
-    a, b = torch.load(a_file), torch.load(b_file)
+    a, b = torch.load(a_file, weights_only=True), torch.load(b_file, weights_only=True)  # tensors only: no pickle
     rel = abs(float(a["loss"]) - float(b["loss"])) / max(abs(float(b["loss"])), 1e-30)
     diff = (a["grad"] - b["grad"]).abs().max().item()
     scale = b["grad"].abs().max().item()

@@ -67,7 +67,7 @@ from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.data import normalize_messages  # noqa: E402
 from trainer.data_files import read_jsonl_objects  # noqa: E402
 from trainer.errors import DSparkError, UsageError, run_cli  # noqa: E402
-from trainer.vllm_http import VLLMServerError, request_json, served_models  # noqa: E402
+from trainer.vllm_http import VLLMServerError, checked_url, request_json, served_models  # noqa: E402
 
 logger = logging.getLogger("dspark")
 BACKENDS = ("transformers", "vllm")
@@ -405,6 +405,7 @@ class VLLMChatClient:
 
     def __init__(self, url: str, served_name: str, timeout: float = 600.0, retries: int = 3, backoff: float = 1.0,
                  max_failures: int = 8, concurrency: int = 16):
+        url = checked_url(url, "--server")  # before any message names it
         if not url.startswith(("http://", "https://")):
             raise UsageError(f"--server {url} is not an http(s) URL; pass the server's address, e.g. "
                              f"http://127.0.0.1:8000.")

@@ -2,6 +2,7 @@
 that every vLLM backend shares (hidden states, regeneration, serving evaluation).
 
     request_json(url, route, body)     GET (body None) or POST JSON; failures as one sentence naming the URL
+    checked_url(url)                   `url`, refused when it carries credentials (every message names the URL)
     served_models(url)                 the `/v1/models` entries
     check_serves(url, names)           `/v1/models` lists one of `names` (as id or root), else one sentence
     stream_chat(url, body)             a streamed chat completion: text, completion tokens, seconds, finish reason
@@ -19,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from trainer.errors import DSparkError
+from trainer.errors import DSparkError, UsageError
 
 
 class VLLMServerError(DSparkError):
@@ -34,7 +35,23 @@ class VLLMServerError(DSparkError):
         self.reason, self.status, self.retryable = reason or message, status, retryable
 
 
+def checked_url(url: str, what: str = "the vLLM server URL") -> str:
+    """`url`, unless it carries credentials (`http://user:secret@host`). These clients send none (no
+    Authorization header, so no vLLM `--api-key` either; urllib ignores them and fails to resolve the host), and
+    every error and retry warning names the URL, so a secret in it would be printed; the refusal masks it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url
+    masked = f"{scheme}{sep}***@{authority.rpartition('@')[2]}{slash}{path}"
+    raise UsageError(f"{what} {masked} carries credentials (user:password@), which this client never sends and "
+                     f"would print in its messages; pass the server's address without them.")
+
+
 def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = ""):
+    checked_url(url)
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"})
     try:

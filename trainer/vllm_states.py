@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,10 +33,12 @@ from safetensors.torch import load_file
 
 from trainer.hidden_states import DocumentStateSource, document_key
 from trainer.objective import Teacher
-from trainer.vllm_http import VLLMServerError, check_serves, request_json, served_models
+from trainer.vllm_http import VLLMServerError, check_serves, checked_url, request_json, served_models
 from trainer.vllm_server import LAYERS_TAG, layers_tag
 
 logger = logging.getLogger("dspark")
+# The connector's file name, `<request id>.safetensors` (vLLM's ids: `cmpl-<hex>-<n>`, maybe with a suffix).
+STATES_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors")
 SERVER_HINT = "start it with the command `python -m trainer.vllm_server --config <run config>` prints"
 
 
@@ -109,7 +112,7 @@ class VLLMStateSource(DocumentStateSource):
                  max_failures: int = 8, backoff: float = 0.5):
         if not urls:
             raise ValueError("no vLLM server URLs; pass train.vllm_urls.")
-        self.urls = list(urls)
+        self.urls = [checked_url(u, "train.vllm_urls entry") for u in urls]  # before any message names them
         self.states_dir = states_dir
         self.aux_layer_ids = list(aux_layer_ids)
         self.num_layers = num_layers
@@ -260,14 +263,31 @@ class VLLMStateSource(DocumentStateSource):
 
     def _local_path(self, url: str, response: dict) -> str:
         """The file as this machine sees it: the server's file name inside `states_dir` (the server may mount
-        the shared directory elsewhere). A missing lock means the trainer does not see the server's directory."""
-        params = response.get("kv_transfer_params") or {}
-        remote = params.get("hidden_states_path")
+        the shared directory elsewhere, so its directory is never used). Only a bare `<request id>.safetensors`
+        name is taken from the answer, and only when it and its lock resolve (links followed) to entries of
+        `states_dir` itself: the trainer reads and deletes these files, so a server's answer must not be able to
+        point it anywhere else. A missing lock means the trainer does not see the server's directory."""
+        params = response.get("kv_transfer_params") if isinstance(response, dict) else None
+        remote = params.get("hidden_states_path") if isinstance(params, dict) else None
         if not remote:
             raise VLLMStatesError(f"the vLLM server {url} answered without a hidden_states_path: it was started "
                                   f"without the hidden-states connector or the extract_hidden_states method; "
                                   f"{SERVER_HINT}.")
-        local = os.path.join(self.states_dir, os.path.basename(remote))
+        name = os.path.basename(remote) if isinstance(remote, str) else ""
+        # The connector writes `os.path.join(storage path, request id + ".safetensors")`, and this package's server
+        # command passes an absolute storage path, so a `..` anywhere in the answer is not one of its files.
+        if not STATES_FILE_NAME.fullmatch(name) or ".." in remote.split("/"):
+            raise VLLMStatesError(f"the vLLM server {url} named the hidden-states file {str(remote)[:200]!r}, which is "
+                                  f"not a `<request id>.safetensors` file of its states directory, so it is neither "
+                                  f"read nor deleted; point train.vllm_urls at a server of this run ({SERVER_HINT}).")
+        local = os.path.join(self.states_dir, name)
+        root = os.path.realpath(self.states_dir)
+        for path in (local, local + ".lock"):
+            if os.path.dirname(os.path.realpath(path)) != root:
+                raise VLLMStatesError(f"the hidden-states file {path} that the vLLM server {url} named links to "
+                                      f"{os.path.realpath(path)}, outside train.vllm_states_dir {self.states_dir}, so "
+                                      f"it is neither read nor deleted; remove the link and leave that directory to "
+                                      f"the server's files.")
         if not os.path.exists(local + ".lock") and not os.path.exists(local):
             raise VLLMStatesError(f"the vLLM server {url} writes its hidden states to {os.path.dirname(remote)}, "
                                   f"which this machine does not see as train.vllm_states_dir {self.states_dir}; "
