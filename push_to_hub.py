@@ -164,6 +164,10 @@ def _dry_run(checkpoint: Checkpoint, args) -> Staged:
     if out.exists() and not (out.is_dir() and _staged_export(out)):
         raise UsageError(f"--dry-run directory {out} exists and holds other files; pass a new directory or remove it.")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # A dry run killed mid-way leaves its staging folder (or the previous export it was replacing) beside OUT_DIR.
+    for leftover in sorted([*out.parent.glob(f"{out.name}.tmp-*"), *out.parent.glob(f"{out.name}.old-*")]):
+        print(f"removing {leftover.name}, left by an interrupted dry run")
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
         staged = _stage(checkpoint, tmp, args, tmp,

@@ -391,3 +391,43 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
     monkeypatch.undo()
     assert run_cli(states_cache.main, argv) == 0
     assert_same_cache(cache_dir, complete_cache)
+
+
+# ------------------------------------------------------------------------------------------ push staging
+def push_args(checkpoint: Path, out: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "push_to_hub.py"), "--checkpoint", str(checkpoint), "--repo-id", "me/drafter",
+            "--verifier-id", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dry-run", str(out)]
+
+
+def assert_exported(out: Path) -> None:
+    from modeling_dspark import DSparkDraftModel
+    from trainer.servable import check_folder
+
+    check_folder(out)
+    DSparkDraftModel.from_pretrained(str(out))
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no staging or replaced folder left
+
+
+def test_kill_9_and_a_full_disk_during_push_staging(calibrated, tmp_path):
+    out = tmp_path / "export" / "exported"
+    staged_weights = "safetensors.torch:save_file:*/exported.tmp-*/model.safetensors"
+    proc = start(push_args(calibrated, out), tmp_path / "killed.log", env=fault_env(tmp_path, f"{staged_weights}:pause"))
+    wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the staging")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and [p.name.split("-")[0] for p in out.parent.iterdir()] == ["exported.tmp"]
+    rerun = subprocess.run(push_args(calibrated, out), cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "left by an interrupted dry run" in rerun.stdout
+    assert_exported(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # The disk fills while a second export is staged: the first one is untouched and the staging folder is gone.
+    (tmp_path / "fault-reached").unlink()
+    full = subprocess.run(push_args(calibrated, out), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=fault_env(tmp_path, f"{staged_weights}:half-enospc"))
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    line = error_line(full.stderr)
+    assert line.startswith(f"error: staging into {out.parent}/exported.tmp-") and "No space left on device" in line
+    assert line.endswith("free disk space there or choose another --dry-run directory, then rerun.")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_exported(out)
