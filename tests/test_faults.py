@@ -431,3 +431,39 @@ def test_kill_9_and_a_full_disk_during_push_staging(calibrated, tmp_path):
     assert line.endswith("free disk space there or choose another --dry-run directory, then rerun.")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert_exported(out)
+
+
+# ------------------------------------------------------------------------------------------ regeneration
+# `python -m trainer.regenerate` runs the module as __main__, which the fault hook cannot patch before it runs;
+# this is the same entry point (its `if __name__ == "__main__"` line) under its importable name.
+REGENERATE = "import sys; from trainer.errors import run_cli; from trainer.regenerate import main; sys.exit(run_cli(main))"
+
+
+def regenerate_args(verifier: str, prompts: Path, out: Path) -> list[str]:
+    # batch size 1: every row is generated alone, so a rerun's rows equal an uninterrupted run's bit for bit
+    return [sys.executable, "-c", REGENERATE, "--verifier", verifier, "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "12", "--temperature", "0", "--batch-size", "1"]
+
+
+def test_kill_9_during_a_regeneration_run(chat_verifier_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Tell me about river {i}."}) + "\n"
+                               for i in range(8)))
+    reference = tmp_path / "reference.jsonl"
+    proc = subprocess.run(regenerate_args(chat_verifier_dir, prompts, reference), cwd=ROOT, capture_output=True,
+                          text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out.jsonl"
+    proc = start(regenerate_args(chat_verifier_dir, prompts, out), tmp_path / "killed.log",
+                 env=fault_env(tmp_path, "trainer.regenerate:OrderedWriter._write:#3:pause"))
+    wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the third row")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = out.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in kept] == ["p0", "p1"]  # every finished row is on disk, whole
+    with open(out, "a") as f:  # and a kill in the middle of a write leaves at most one cut line
+        f.write(reference.read_text().splitlines()[2][:40])
+    rerun = subprocess.run(regenerate_args(chat_verifier_dir, prompts, out), cwd=ROOT, capture_output=True,
+                           text=True, env=ENV, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert out.read_text() == reference.read_text()

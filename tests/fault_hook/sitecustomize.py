@@ -1,8 +1,9 @@
 """Fault injection for the subprocesses of tests/test_faults.py; inert unless DSPARK_FAULT is set.
 
 `DSPARK_FAULT="<module>:<function>:<pattern>:<action>"` wraps `<module>.<function>` at interpreter start
-(before the package imports it by name), and the first call with a path argument that matches the fnmatch
-`<pattern>` does `<action>` instead of returning normally:
+(before the package imports it by name; `<function>` may be `Class.method`), and the first call with a path
+argument that matches the fnmatch `<pattern>` (or, for `#N`, the N-th call) does `<action>` instead of
+returning normally:
 
     pause          touch $DSPARK_FAULT_REACHED and sleep, so the test can kill the process right there
     half-pause     write the file, cut it to half its size (a write the kill interrupted), then pause
@@ -23,11 +24,17 @@ _SPEC = os.environ.get("DSPARK_FAULT")
 
 def _install(spec: str) -> None:
     module_name, function_name, pattern, action = spec.split(":")
-    module = importlib.import_module(module_name)
-    original = getattr(module, function_name)
-    fired = []
+    owner = importlib.import_module(module_name)
+    *parents, function_name = function_name.split(".")
+    for name in parents:
+        owner = getattr(owner, name)
+    original = getattr(owner, function_name)
+    fired, calls = [], []
 
     def path_argument(args, kwargs):
+        if pattern.startswith("#"):
+            calls.append(None)
+            return "" if len(calls) == int(pattern[1:]) else None
         for value in [*args, *kwargs.values()]:
             if isinstance(value, (str, os.PathLike)) and fnmatch.fnmatch(os.fspath(value), pattern):
                 return os.fspath(value)
@@ -46,7 +53,7 @@ def _install(spec: str) -> None:
         if action == "pause":
             pause()
         result = original(*args, **kwargs)
-        if os.path.isfile(path):
+        if path and os.path.isfile(path):
             os.truncate(path, os.path.getsize(path) // 2)
         if action == "half-pause":
             pause()
@@ -54,7 +61,7 @@ def _install(spec: str) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         return result
 
-    setattr(module, function_name, faulty)
+    setattr(owner, function_name, faulty)
 
 
 if _SPEC:
