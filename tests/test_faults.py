@@ -467,3 +467,58 @@ def test_kill_9_during_a_regeneration_run(chat_verifier_dir, tmp_path):
                            text=True, env=ENV, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert out.read_text() == reference.read_text()
+
+
+# ------------------------------------------------------------------------------------------ a dead DDP rank
+def rank_pid(rank: int) -> int | None:
+    """The pid of the trainer/run.py worker whose torchrun RANK is `rank` (this user's processes only)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"trainer/run.py") for part in cmdline) and f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_one_killed_ddp_rank_stops_the_other_promptly(chat_verifier_dir, chat_data_file, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           *run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "400", "--validation_ratio", "0",
+                     "--record_batches", "true", "--save_steps", "2")[1:]]
+    log = tmp_path / "ddp.log"
+    proc = start(cmd, log)
+    try:
+        wait_for(lambda: (out / "batches-rank1.jsonl").exists()
+                 and len((out / "batches-rank1.jsonl").read_text().splitlines()) >= 3, proc, log, what="3 steps")
+        victim = rank_pid(1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=300)  # a hang would last until the process group's 30-minute timeout
+        stopped = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    print(f"the run stopped {stopped:.1f} s after rank 1 was killed, exit {code}")
+    assert code != 0 and stopped < 120  # a generous bound: gloo's own timeout would be 30 minutes
+    assert rank_pid(0) is None  # no orphaned rank left training
+    # rank 0 says what happened in one line (torchrun's own report of the dead rank follows it)
+    assert ("error: this process was stopped by SIGTERM (under accelerate launch: another rank of this run died, its "
+            "log above says why); completed checkpoints are kept, so fix that cause and rerun with "
+            "--resume_from_checkpoint latest.") in text or "error: another rank of this run stopped" in text, text[-5000:]
+    assert "Traceback" not in text.split("error: ")[0][-3000:]  # no traceback from our ranks before the sentence
+    for path in out.glob("checkpoint-[0-9]*"):
+        assert_loadable_checkpoint(path)
+    # the rerun on both ranks resumes from the newest complete checkpoint and finishes
+    resumed_at = int(Path(latest_checkpoint(str(out))).name.split("-")[1])
+    cmd[cmd.index("400")] = str(resumed_at + 2)
+    rerun = subprocess.run([*cmd, "--resume_from_checkpoint", "latest"], cwd=ROOT, capture_output=True, text=True,
+                           env=ENV, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert json.loads((out / "dspark_train_summary.json").read_text())["global_step"] == resumed_at + 2

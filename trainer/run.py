@@ -15,6 +15,7 @@ drafter and the best checkpoint (trainer/calibration.py). The last log line repo
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -93,9 +94,37 @@ def parse_args(argv: list[str]) -> RunConfig:
     return RunConfig.load(config_path, rest)
 
 
+class Terminated(DSparkError):
+    """SIGTERM: under `accelerate launch` the launcher sends it to every rank when another rank of the run died."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated("this process was stopped by SIGTERM (under accelerate launch: another rank of this run died, "
+                     "its log above says why); completed checkpoints are kept, so fix that cause and rerun with "
+                     "--resume_from_checkpoint latest.")
+
+
+def _peer_lost(error: RuntimeError) -> bool:
+    """A collective failed because another rank died: NCCL raises DistBackendError, gloo a RuntimeError from its
+    TCP transport when the peer's connection closes."""
+    text = str(error)
+    return isinstance(error, torch.distributed.DistBackendError) or (
+        "gloo" in text and ("Connection reset by peer" in text or "Connection closed by peer" in text))
+
+
 def main(argv: list[str] | None = None) -> dict:
     config = parse_args(sys.argv[1:] if argv is None else argv)
-    return train(config)
+    signal.signal(signal.SIGTERM, _on_sigterm)  # the command only: a library caller keeps its own handler
+    try:
+        return train(config)
+    except RuntimeError as e:
+        if not _peer_lost(e):
+            raise
+        raise DSparkError(f"another rank of this run stopped in the middle of a collective operation ("
+                          f"{' '.join(str(e).split())[:200]}); completed checkpoints are kept, so fix the cause "
+                          f"in that rank's log and rerun with --resume_from_checkpoint latest.") from e
 
 
 def train(config: RunConfig) -> dict:
