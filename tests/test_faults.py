@@ -212,6 +212,25 @@ def test_kill_9_during_a_checkpoint_save(chat_verifier_dir, chat_data_file, tmp_
     assert_same_weights(final_weights(out), uninterrupted)
 
 
+def test_a_newest_checkpoint_damaged_after_it_completed_is_set_aside(chat_verifier_dir, chat_data_file, tmp_path,
+                                                                    uninterrupted):
+    """A complete checkpoint-6 whose weights were cut later (a disk or copy error): `--resume_from_checkpoint latest`
+    sets it aside with a warning naming the file and resumes from checkpoint-4 instead of refusing."""
+    out = tmp_path / "out"
+    proc = subprocess.run(run_args(chat_verifier_dir, chat_data_file, out, "--max_steps", "6", "--save_steps", "2",
+                                   "--validation_ratio", "0"), cwd=ROOT, capture_output=True, text=True, env=ENV,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = out / "checkpoint-6" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    resume_and_finish(chat_verifier_dir, chat_data_file, out, tmp_path / "rerun.log")
+    log = (tmp_path / "rerun.log").read_text()
+    assert (f"{out / 'checkpoint-6'} is damaged ({weights} is not a readable safetensors file" in log
+            and "moved aside as damaged-checkpoint-6, resuming from the checkpoint before it" in log), log[-3000:]
+    assert "resuming from " + str(out / "checkpoint-4") in log
+    assert_same_weights(final_weights(out), uninterrupted)
+
+
 # ------------------------------------------------------------------------------------------ calibration's fold
 # One checkpoint, so checkpoint-best is also the one `--resume_from_checkpoint latest` resumes from.
 CALIBRATED = ["--max_steps", "2", "--save_steps", "2", "--eval_steps", "2", "--calibrate_confidence", "true"]

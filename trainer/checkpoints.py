@@ -9,6 +9,7 @@
         dspark_data_stats.json      what the training data held
         dspark_calibration.json     the best checkpoint only: the confidence calibration folded into its weights
         adapter/                    LoRA runs only: the adapter to resume from (the weights are merged)
+      damaged-checkpoint-N/         a complete checkpoint whose files no longer read back, set aside by a resume
       checkpoint-best -> checkpoint-N   symlink to the checkpoint with the highest validation accept_len
       config.json, model.safetensors, ...   the final drafter (written when the run finishes; with
                                     dspark_calibration.json when its confidence head was calibrated)
@@ -47,6 +48,7 @@ SUMMARY_FILE = "dspark_train_summary.json"
 ADAPTER_DIR = "adapter"
 BEST_LINK = f"{CHECKPOINT_PREFIX}-best"
 INCOMPLETE_PREFIX = "incomplete-"
+DAMAGED_PREFIX = "damaged-"
 TRAINING_ARGS_FILE = "training_args.bin"
 TRAINER_STATE_FILE = "trainer_state.json"
 SELECTORS = ("best", "latest", "final")
@@ -104,6 +106,24 @@ def latest_checkpoint(output_dir: str) -> str | None:
     """The newest *complete* checkpoint (interrupted saves never count)."""
     complete = [p for p in checkpoints(output_dir) if is_complete(p)]
     return complete[-1] if complete else None
+
+
+def latest_usable_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint whose drafter files read back (`--resume_from_checkpoint latest`). A newer
+    one that was damaged after it completed (a truncated or corrupt weights file, a broken config) is moved aside
+    as `damaged-checkpoint-N`, with a warning naming the problem, and the one before it is used instead."""
+    for path in reversed([p for p in checkpoints(output_dir) if is_complete(p)]):
+        try:
+            check_folder(Path(path))
+        except ServingError as e:
+            target = os.path.join(output_dir, DAMAGED_PREFIX + os.path.basename(path))
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(path, target)
+            logger.warning("%s is damaged (%s); moved aside as %s, resuming from the checkpoint before it", path, e,
+                           os.path.basename(target))
+            continue
+        return path
+    return None
 
 
 def quarantine_incomplete(output_dir: str) -> list[str]:
@@ -201,6 +221,7 @@ def clear_run(output_dir: str) -> list[str]:
     for name in sorted(os.listdir(output_dir)):
         path = os.path.join(output_dir, name)
         ours = (_CHECKPOINT_DIR.match(name) or name.startswith(INCOMPLETE_PREFIX + CHECKPOINT_PREFIX)
+                or name.startswith(DAMAGED_PREFIX + CHECKPOINT_PREFIX)
                 or name in _RUN_FILES or name.startswith("batches-rank"))
         if not ours:
             continue

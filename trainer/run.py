@@ -46,6 +46,7 @@ from trainer.checkpoints import (  # noqa: E402
     check_resume_compatible,
     clear_run,
     latest_checkpoint,
+    latest_usable_checkpoint,
     quarantine_incomplete,
     write_summary,
 )
@@ -214,7 +215,13 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
             for moved in quarantine_incomplete(t.output_dir):
                 logger.warning("checkpoint %s was interrupted while saving; moved aside", moved)
         args_barrier(args)
-        resume = latest_checkpoint(t.output_dir) if t.resume_from_checkpoint == "latest" else t.resume_from_checkpoint
+        if t.resume_from_checkpoint == "latest":
+            if args.should_save:
+                latest_usable_checkpoint(t.output_dir)  # sets damaged checkpoints aside, once, before any rank looks
+            args_barrier(args)
+            resume = latest_checkpoint(t.output_dir)
+        else:
+            resume = t.resume_from_checkpoint
         if resume is None:
             logger.info("no complete checkpoint in %s yet; starting from scratch", t.output_dir)
         else:
