@@ -258,6 +258,24 @@ def test_every_cli_prints_one_line_and_exits_2(argv, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_shared_parser_names_the_fix():
+    from trainer.errors import Parser, UsageError
+
+    parser = Parser(prog="x")
+    parser.add_argument("--max-prompts", type=int)
+    parser.add_argument("--out", required=True)
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --max-promts 3; did you mean --max-prompts\? "
+                                         r"\(run with --help to see the flags and what each takes\)\.$"):
+        parser.parse_args(["--out", "o", "--max-promts", "3"])
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --zzz; run with --help to see the flags"):
+        parser.parse_args(["--out", "o", "--zzz"])
+    with pytest.raises(UsageError, match="^the following arguments are required: --out; run with --help"):
+        parser.parse_args([])
+    with pytest.raises(UsageError, match="^argument --max-prompts: invalid int value: 'x'; run with --help"):
+        parser.parse_args(["--out", "o", "--max-prompts", "x"])
+    assert parser.parse_args(["--out", "o", "--max-prompts", "3"]).max_prompts == 3
+
+
 def test_bad_data_files_are_named_before_the_verifier_loads(chat_verifier_dir, tmp_path, capsys, monkeypatch):
     import trainer.run as run
 
