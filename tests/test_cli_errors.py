@@ -218,6 +218,31 @@ def test_prompt_files_name_the_file_and_line(tmp_path):
         load_prompt_sets("./missing")
 
 
+def test_a_long_bad_line_is_quoted_as_a_short_excerpt(tmp_path, capsys):
+    """A truncated 2,000-character last line (a writer killed mid-row) is named by file and line and quoted only
+    as a short excerpt, so the one error line stays readable."""
+    from trainer.data_files import scan_json_files
+    from trainer.errors import UsageError
+    from trainer.regenerate import main
+
+    cut = json.dumps({"prompt": "x" * 3000})[:2000]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a?"}\n' + cut)
+    message = refused(main, ["--verifier", "./no-such-verifier", "--prompts", str(prompts), "--out",
+                             str(tmp_path / "out.jsonl")], capsys)
+    assert f"{prompts} line 2 is not valid JSON" in message and len(message) < 300, message
+    assert "'{\"prompt\": \"xxx" in message and "xxx...'; fix or delete that line." in message
+    # training data: the same excerpt (the rest of that line explains the bad-line policy)
+    chat = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    chat.write_text(f"{good}\n{good}\n{cut}")
+    with pytest.raises(UsageError) as refusal:
+        scan_json_files([chat])
+    assert f"data file {chat} line 3 is truncated" in str(refusal.value)
+    quoted = str(refusal.value).split(": '", 1)[1].split("'; ", 1)[0]
+    assert len(quoted) == 80 and quoted.endswith("xxx..."), quoted
+
+
 # ------------------------------------------------------------------------------------------ push_to_hub.py
 def test_push_refuses_a_truncated_weight_file(drafter_dir, tmp_path, capsys):
     import shutil
