@@ -37,7 +37,6 @@ is never printed. Errors are one sentence naming the cause and the fix; the exit
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import shutil
@@ -51,7 +50,7 @@ from huggingface_hub.errors import EntryNotFoundError, HFValidationError, Reposi
 from huggingface_hub.utils import validate_repo_id
 
 from trainer.checkpoints import BEST_LINK, Checkpoint, resolve_checkpoint
-from trainer.errors import DSparkError, UsageError, run_cli
+from trainer.errors import DSparkError, Parser, UsageError, run_cli
 from trainer.results import SCHEMA as RESULTS_SCHEMA
 from trainer.servable import read_json
 from trainer.staging import DELETE_PATTERNS, Staged, StagingError, is_export_file, stage
@@ -102,8 +101,8 @@ def upload(api, repo_id: str, staged: Staged, *, private: bool = False, revision
 # ================================================================================================
 # Command line
 # ================================================================================================
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    p = Parser(
         prog="push_to_hub.py", description="Export a DSpark checkpoint as a servable Hub repo with a model card.",
         epilog=f"--checkpoint: a checkpoint-N dir, the run's output_dir ({BEST_LINK}, else its final model, else "
                f"the latest complete checkpoint) or OUTPUT_DIR:best|latest|final|<step>.")

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks (stdlib and torch only, so both `.venv` and `.venv-speculators` import them).
+"""Helpers shared by the benchmarks (stdlib, torch and the stdlib-only `trainer.errors`, so both `.venv` and
+`.venv-speculators` import them).
 
 * memory: `rss_bytes`, `peak_rss_bytes`, `reset_peak_rss` (Linux `/proc/self`; the peak is `VmHWM`, reset by
   writing `5` to `/proc/self/clear_refs`), `trim_malloc` (glibc `malloc_trim(0)`, so a baseline taken after it
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from trainer.errors import DSparkError, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +83,8 @@ def print_table(rows: list[list]) -> None:
 
 
 def cli(main: Callable[[], None]) -> None:
-    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback)."""
+    """Run `main()`; any failure becomes one line `error: ...` and exit status 1 (`--debug` keeps the traceback),
+    except bad input (a `UsageError`, e.g. from the command line), which keeps its own message and status 2."""
     debug = "--debug" in sys.argv or os.environ.get("DSPARK_DEBUG") == "1"
     if "--debug" in sys.argv:
         sys.argv.remove("--debug")
@@ -88,6 +92,10 @@ def cli(main: Callable[[], None]) -> None:
         main()
     except SystemExit:
         raise
+    except DSparkError as e:
+        if debug:
+            raise
+        sys.exit(report(e))
     except BaseException as e:  # noqa: BLE001 - the contract is one line for every failure
         if debug:
             raise

@@ -44,6 +44,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import cli, print_table  # noqa: E402
+from trainer.errors import Parser, UsageError  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml")
 PEAK_FLOPS = 790e12
@@ -282,7 +283,7 @@ def count_step_flops(step: Step, attn: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="write the measurements here (a JSON dict with a 'table')")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny fp32/sdpa shapes on the CPU (checks the script)")
     parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 2 timed)")
@@ -306,7 +307,8 @@ def main() -> None:
     if args.quick:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     if args.steps < 1 or args.warmup < 0:
-        raise ValueError("--steps must be >= 1 and --warmup >= 0")
+        raise UsageError(f"--steps {args.steps} / --warmup {args.warmup} is out of range; pass --steps >= 1 and "
+                         f"--warmup >= 0.")
     device = torch.device("cpu" if smoke else "cuda")
     attn = args.attn or ("sdpa" if smoke else "flex_attention")
     autocast = not smoke and not args.bf16_weights

@@ -17,7 +17,6 @@ speedup a separate verifier machine gives: there the trainer's step no longer co
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -34,6 +33,7 @@ from benchmarks.common import (
     vllm_python_argument,
     write_json,
 )
+from trainer.errors import Parser
 
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
 
@@ -97,7 +97,7 @@ def training(config_args: list[str], work: str, servers: list[str], steps: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "hidden_states.json"))
     parser.add_argument("--steps", type=int, default=20)
     vllm_python_argument(parser)

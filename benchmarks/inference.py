@@ -37,6 +37,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import busy_warning, cli, print_table  # noqa: E402
+from trainer.errors import Parser, UsageError  # noqa: E402
 
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_CONFIG = os.path.join(ROOT, "configs", "smollm2-135m.yaml")
@@ -406,7 +407,7 @@ def profile_generation(verifier, drafter, ids, max_new) -> dict:
 
 # ------------------------------------------------------------------------------------------------ main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=False, help="write the measurements here (a JSON dict with a 'table')")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); on a shared machine --threads 1 is far steadier")
@@ -422,8 +423,13 @@ def main() -> None:
     if args.prompts is not None:
         sizes["prompts"] = args.prompts
     if sizes["max_new_tokens"] < 2 or sizes["prompts"] < 1:
-        raise ValueError("--max-new-tokens must be >= 2 and --prompts >= 1")
+        raise UsageError(f"--max-new-tokens {sizes['max_new_tokens']} / --prompts {sizes['prompts']} is out of range; "
+                         f"pass --max-new-tokens >= 2 and --prompts >= 1.")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.drafter:
+        from trainer.verifier import resolve_pretrained
+
+        resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)  # refused before the verifier loads
     import torch
 
     if args.threads:

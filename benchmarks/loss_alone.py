@@ -58,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
     objective,
     print_table,
 )
+from trainer.errors import Parser, UsageError  # noqa: E402
 
 FULL = dict(anchors=512, block=8, hidden=640, vocab=262144, draft_vocabs=[32000, 262144], rank=256)
 QUICK = dict(anchors=16, block=8, hidden=64, vocab=4096, draft_vocabs=[512, 4096], rank=16)
@@ -397,7 +398,7 @@ def benchmark_vocab(shape, draft_vocab, anchors, repeats, tmp, budget_override, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=False, help="write the measurements here (a JSON dict with a 'table')")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); on a shared machine --threads 1 is far steadier")
@@ -413,17 +414,21 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
     if args.repeats < 1:
-        raise ValueError("--repeats must be at least 1")
+        raise UsageError(f"--repeats is {args.repeats}; pass at least 1.")
     if not os.path.exists("/proc/self/clear_refs"):
         raise RuntimeError("peak-memory measurement needs Linux /proc/self/clear_refs")
     shape = dict(QUICK if args.quick else FULL)
-    vocabs = [int(v) for v in args.vocab.split(",")] if args.vocab else shape["draft_vocabs"]
+    try:
+        vocabs = [int(v) for v in args.vocab.split(",")] if args.vocab else shape["draft_vocabs"]
+    except ValueError:
+        raise UsageError(f"--vocab {args.vocab!r} is not a comma-separated list of integers; pass e.g. "
+                         f"--vocab 32000,{shape['vocab']}.") from None
     for v in vocabs:
         if not 1 <= v <= shape["vocab"]:
-            raise ValueError(f"draft vocabulary {v} must lie in 1..{shape['vocab']}")
+            raise UsageError(f"draft vocabulary {v} is out of range; pass --vocab sizes in 1..{shape['vocab']}.")
     anchors = args.anchors or shape["anchors"]
     if not 1 <= anchors <= shape["anchors"]:
-        raise ValueError(f"--anchors must lie in 1..{shape['anchors']}")
+        raise UsageError(f"--anchors is {anchors}; pass a number in 1..{shape['anchors']}.")
     import torch
 
     if args.threads:

@@ -9,10 +9,12 @@ shared with other processes, `--threads 1` avoids oversubscribed multi-threaded 
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
+from trainer.errors import Parser, run_cli
 from trainer.optim import DtypeMuon
 
 
@@ -32,14 +34,14 @@ def step_seconds(make_optimizer, shape=(1536, 576), count=3, repeats=5, seed=0) 
     return times
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shape", type=int, nargs=2, default=(1536, 576))
     parser.add_argument("--count", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--skip-bf16", action="store_true", help="skip the bf16 Muon (minutes without bf16 matmuls)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = dict(shape=tuple(args.shape), count=args.count, repeats=args.repeats)
@@ -61,4 +63,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -11,7 +11,6 @@ shares the two cores, so each backend is timed while the other is idle.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -26,10 +25,11 @@ from benchmarks.common import (
     vllm_python_argument,
     write_json,
 )
+from trainer.errors import Parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "regeneration.json"))
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)

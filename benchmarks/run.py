@@ -42,6 +42,8 @@ except ImportError as e:  # torch missing: not this package's environment
           file=sys.stderr)
     raise SystemExit(2) from None
 
+from trainer.errors import Parser, run_cli  # noqa: E402
+
 SPECULATORS_PYTHON = Path(".venv-speculators") / "bin" / "python"
 SECTIONS = ("train_step", "loss", "extraction", "drafting")
 MODULES = {"loss": "loss_alone", "extraction": "inference", "drafting": "inference"}  # section -> benchmarks.<module>
@@ -265,7 +267,7 @@ def print_table(title: str, rows: list[list]) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes and 2 timed steps: checks the harness")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--json", type=Path, default=None,
@@ -359,4 +361,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

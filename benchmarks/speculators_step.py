@@ -31,7 +31,9 @@ from benchmarks.train_step import (  # noqa: E402
     MUON_WEIGHT_DECAY,
     WEIGHT_DECAY,
     load_inputs,
+    read_meta,
 )
+from trainer.errors import Parser, run_cli  # noqa: E402
 
 
 def build_optimizers(model):
@@ -126,7 +128,7 @@ def run(config: str, inputs: Path, json_out: Path, warmup: int, steps: int, flop
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, choices=["small", "large"])
     parser.add_argument("--inputs", type=Path, required=True)
     parser.add_argument("--json", type=Path, required=True)
@@ -135,17 +137,18 @@ def main(argv=None) -> None:
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count of one extra step")
     args = parser.parse_args(argv)
     try:
-        import speculators  # noqa: F401
-    except ImportError:
-        fail("speculators is not installed in this Python; run this script with .venv-speculators/bin/python "
-             "(create it with `make speculators-env`).")
-    try:
         if args.warmup < 1 or args.steps < 1:
             raise BenchmarkError("--warmup and --steps must be at least 1.")
+        read_meta(args.inputs)  # bad input is named first, in whichever python this runs
+        try:
+            import speculators  # noqa: F401
+        except ImportError:
+            raise BenchmarkError("speculators is not installed in this Python; run this script with "
+                                 ".venv-speculators/bin/python (create it with `make speculators-env`).") from None
         run(args.config, args.inputs, args.json, args.warmup, args.steps, not args.no_flops)
     except BenchmarkError as e:
         fail(str(e))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from benchmarks.common import ROOT, BenchmarkError, fail, machine, train_steps, write_json
 from benchmarks.common import objective as bench_objective
+from trainer.errors import Parser, run_cli
 
 META_FILE = "meta.json"
 SPEC_VERSION = 1
@@ -274,7 +275,7 @@ def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-inputs", help="write the inputs, drafter and verifier both implementations read")
     make.add_argument("--out", type=Path, required=True)
@@ -295,10 +296,11 @@ def main(argv=None) -> None:
         else:
             if args.warmup < 1 or args.steps < 1:
                 raise BenchmarkError("--warmup and --steps must be at least 1.")
+            read_meta(args.inputs)  # refused before torch and the models are imported
             run(args.config, args.impl, args.inputs, args.json, args.warmup, args.steps, not args.no_flops)
     except BenchmarkError as e:
         fail(str(e))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

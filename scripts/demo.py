@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 from trainer.checkpoints import BEST_LINK, read_summary  # noqa: E402
+from trainer.errors import Parser, run_cli  # noqa: E402
 from trainer.results import format_table  # noqa: E402
 from trainer.small_models import resolve_model  # noqa: E402
 
@@ -37,13 +38,13 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/demo")
     parser.add_argument("--epochs", default="8", help="training epochs over the 243 training conversations")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="generation length in the evaluation")
     parser.add_argument("--sampled", action="store_true", help="also evaluate at the verifier's sampling settings")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.time()
     py = sys.executable
     out = os.path.join(ROOT, args.out)
@@ -102,6 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from trainer.errors import run_cli
-
-    sys.exit(run_cli(lambda argv: main()))
+    sys.exit(run_cli(main))

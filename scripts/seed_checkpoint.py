@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configuration_dspark import DSparkConfig  # noqa: E402
 from modeling_dspark import DSparkDraftModel  # noqa: E402
+from trainer.errors import Parser, run_cli  # noqa: E402
 
 # The drafter of the seed recipe (configs/gemma-4-E4B-it.yaml, model section).
 SEED_DRAFTER = dict(
@@ -59,13 +60,13 @@ def build_seed_drafter(mask_token_id: int | None = None) -> DSparkDraftModel:
     return drafter
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--mask-token-id", type=int, default=None,
                         help="Gemma tokenizer's mask id; defaults to the config's pad id without a tokenizer")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     t0 = time.time()
     drafter = build_seed_drafter(args.mask_token_id).to(getattr(torch, args.dtype))
     drafter.save_pretrained(args.out)
@@ -100,6 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from trainer.errors import run_cli
-
-    sys.exit(run_cli(lambda argv: main()))
+    sys.exit(run_cli(main))

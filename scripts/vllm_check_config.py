@@ -10,19 +10,37 @@ process only, so the config can be validated where it cannot be served (tests/te
 result with the drafter's config.json).
 """
 
-import argparse
 import json
+import os
+import sys
+
+# The vLLM environment does not install this package: its root goes on the path for the shared error path, last,
+# so that nothing here shadows what vLLM imports.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("drafter")
     parser.add_argument("verifier")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="default: the drafter's speculators_config proposal")
-    args = parser.parse_args()
-    import vllm.config.vllm as vllm_config
-    from vllm.engine.arg_utils import EngineArgs
+    args = parser.parse_args(argv)
+    from configuration_dspark import is_hub_id
+
+    for what, name in (("drafter", args.drafter), ("verifier", args.verifier)):
+        if not os.path.exists(name) and not is_hub_id(name):
+            raise UsageError(f"{what} {name} is neither an existing directory nor a Hub id; check the path.")
+    try:
+        import vllm.config.vllm as vllm_config
+        from vllm.engine.arg_utils import EngineArgs
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":
+            raise
+        raise UsageError(f"vLLM is not installed in {sys.executable}; run this script with the vLLM environment's "
+                         f"python (`make vllm-env` creates .venv-vllm).") from e
 
     vllm_config.HAS_TRITON = True  # validation only (see the docstring)
     speculative = {"method": "dspark", "model": args.drafter}
@@ -38,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -36,12 +36,13 @@ sys.path.insert(0, ROOT)
 def main(argv: list[str] | None = None) -> dict:
     from configuration_dspark import DSparkConfig
     from trainer import acceptance, vllm_eval
-    from trainer.errors import UsageError
+    from trainer.errors import Parser, UsageError
     from trainer.results import ordered
     from trainer.small_models import resolve_model
+    from trainer.verifier import resolve_pretrained
     from trainer.vllm_server import ServerProcess, ServerSpec, free_port
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--verifier", default=None, help="default: the one the drafter's config names")
     parser.add_argument("--prompts", required=True, help="directory of <subset>.jsonl files or a Hub dataset id")
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
+    # a missing drafter or prompt set is refused here, not after two vLLM servers took minutes to start
+    resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)
+    acceptance.load_prompt_sets(args.prompts, args.subsets.split(",") if args.subsets else None, args.max_prompts)
     os.makedirs(args.out, exist_ok=True)
     config = DSparkConfig.from_pretrained(args.drafter)
     verifier = args.verifier or config.verifier_local_path or config.verifier_name_or_path

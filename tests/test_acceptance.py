@@ -278,5 +278,5 @@ def test_cli_draft_method_at_temperature_1(chat_verifier_dir, tmp_path, monkeypa
         assert seen and set(seen) == {method}
     greedy = main([*common, "--temperature", "0", "--draft-method", "probabilistic", "--out", str(tmp_path / "g.json")])
     assert greedy["draft_method"] == "greedy"
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="argument --draft-method: invalid choice: 'sampled'"):
         main([*common, "--draft-method", "sampled", "--out", str(tmp_path / "x.json")])

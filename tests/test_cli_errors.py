@@ -218,6 +218,31 @@ def test_prompt_files_name_the_file_and_line(tmp_path):
         load_prompt_sets("./missing")
 
 
+def test_a_long_bad_line_is_quoted_as_a_short_excerpt(tmp_path, capsys):
+    """A truncated 2,000-character last line (a writer killed mid-row) is named by file and line and quoted only
+    as a short excerpt, so the one error line stays readable."""
+    from trainer.data_files import scan_json_files
+    from trainer.errors import UsageError
+    from trainer.regenerate import main
+
+    cut = json.dumps({"prompt": "x" * 3000})[:2000]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a?"}\n' + cut)
+    message = refused(main, ["--verifier", "./no-such-verifier", "--prompts", str(prompts), "--out",
+                             str(tmp_path / "out.jsonl")], capsys)
+    assert f"{prompts} line 2 is not valid JSON" in message and len(message) < 300, message
+    assert "'{\"prompt\": \"xxx" in message and "xxx...'; fix or delete that line." in message
+    # training data: the same excerpt (the rest of that line explains the bad-line policy)
+    chat = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    chat.write_text(f"{good}\n{good}\n{cut}")
+    with pytest.raises(UsageError) as refusal:
+        scan_json_files([chat])
+    assert f"data file {chat} line 3 is truncated" in str(refusal.value)
+    quoted = str(refusal.value).split(": '", 1)[1].split("'; ", 1)[0]
+    assert len(quoted) == 80 and quoted.endswith("xxx..."), quoted
+
+
 # ------------------------------------------------------------------------------------------ push_to_hub.py
 def test_push_refuses_a_truncated_weight_file(drafter_dir, tmp_path, capsys):
     import shutil
@@ -239,23 +264,169 @@ def test_push_refuses_a_truncated_weight_file(drafter_dir, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ real processes
-@pytest.mark.parametrize("argv, message", [
-    (["trainer/run.py", "--verifier", "x", "--train_data", "y", "--learning_rate", "0"],
+CONFIG = str(ROOT / "configs" / "smollm2-135m.yaml")
+UNKNOWN = "unrecognized arguments: --no-such-flag"  # what the shared parser (trainer/errors.py) reports
+NOT_INT = "invalid int value: 'abc'"
+REQUIRED = "the following arguments are required: "
+
+# Every entry point with each kind of bad input it can get: an unknown flag, a missing required argument, a
+# missing input file, a value of the wrong type. Where a kind does not apply, the comment says why. Each row:
+# (entry point, case, arguments, the cause its one error line names). The processes run in an empty directory.
+EVERY_CLI = [
+    # trainer/run.py parses its own flags (run config overrides, trainer/config.py)
+    ("trainer/run.py", "unknown flag", ["--verifier", "x", "--train_data", "y", "--no_such_flag", "1"],
+     "unknown option --no_such_flag"),
+    ("trainer/run.py", "missing argument", [], "model.verifier is not set"),
+    ("trainer/run.py", "missing file", ["--config", "nope.yaml"], "config file nope.yaml does not exist"),
+    ("trainer/run.py", "wrong type", ["--verifier", "x", "--train_data", "y", "--max_steps", "abc"],
+     "train.max_steps: expected a number, got 'abc'"),
+    ("trainer/run.py", "bad value", ["--verifier", "x", "--train_data", "y", "--learning_rate", "0"],
      "train.learning_rate is 0.0, but it must be > 0"),
-    (["-m", "trainer.acceptance", "--drafter", "./no-such-drafter", "--out", "r.json"],
+    ("trainer.acceptance", "unknown flag", ["--drafter", "d", "--out", "r.json", "--no-such-flag"], UNKNOWN),
+    ("trainer.acceptance", "missing argument", ["--out", "r.json"], REQUIRED + "--drafter"),
+    ("trainer.acceptance", "missing file", ["--drafter", "./no-such-drafter", "--out", "r.json"],
      "drafter directory ./no-such-drafter does not exist"),
-    (["-m", "trainer.regenerate", "--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl", "--out",
-      "o.jsonl"], "prompt file ./no-such.jsonl does not exist"),
-    (["push_to_hub.py", "--checkpoint", "./no-such-run", "--repo-id", "me/x", "--dry-run", "x"],
+    ("trainer.acceptance", "wrong type", ["--drafter", "d", "--out", "r.json", "--max-prompts", "abc"],
+     "argument --max-prompts: " + NOT_INT),
+    ("trainer.regenerate", "unknown flag", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
+                                            "--no-such-flag"], UNKNOWN),
+    ("trainer.regenerate", "missing argument", ["--verifier", "v", "--out", "o.jsonl"], REQUIRED + "--prompts"),
+    ("trainer.regenerate", "missing file", ["--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl",
+                                            "--out", "o.jsonl"], "prompt file ./no-such.jsonl does not exist"),
+    ("trainer.regenerate", "wrong type", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
+                                          "--batch-size", "abc"], "argument --batch-size: " + NOT_INT),
+    ("trainer.vllm_eval", "unknown flag", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--no-such-flag"],
+     UNKNOWN),
+    ("trainer.vllm_eval", "missing argument", ["--out", "r.json"], REQUIRED + "--server"),
+    ("trainer.vllm_eval", "missing file", ["--server", "http://127.0.0.1:1", "--prompts", "./no-such-prompts",
+                                           "--out", "r.json"], "prompt directory ./no-such-prompts does not exist"),
+    ("trainer.vllm_eval", "wrong type", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--max-prompts",
+                                         "abc"], "argument --max-prompts: " + NOT_INT),
+    # trainer.states_cache parses its own four flags and passes the rest to the run config
+    ("trainer.states_cache", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
+     "unknown option --no_such_flag"),
+    ("trainer.states_cache", "missing argument", [], "no --cache_dir was given"),
+    ("trainer.states_cache", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
+     "config file nope.yaml does not exist"),
+    ("trainer.states_cache", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
+     "--shard_tokens abc is not an integer"),
+    # trainer.vllm_server: flags it does not know are run config overrides
+    ("trainer.vllm_server", "unknown flag", ["--config", CONFIG, "--no_such_flag", "1"],
+     "unknown option --no_such_flag"),
+    ("trainer.vllm_server", "missing argument", [], REQUIRED + "--config"),
+    ("trainer.vllm_server", "missing file", ["--config", "nope.yaml"], "config file nope.yaml does not exist"),
+    ("trainer.vllm_server", "wrong type", ["--config", CONFIG, "--port", "abc"], "argument --port: " + NOT_INT),
+    # trainer.small_models: no missing file (a name that is not registered is passed on unchanged, as a Hub id
+    # or a directory for the caller to check) and no typed flag
+    ("trainer.small_models", "unknown flag", ["x", "--no-such-flag"], UNKNOWN),
+    ("trainer.small_models", "missing argument", [], REQUIRED + "names"),
+    # push_to_hub.py: no typed flag; the closest is a malformed --repo-id
+    ("push_to_hub.py", "unknown flag", ["--checkpoint", "c", "--repo-id", "me/x", "--no-such-flag"], UNKNOWN),
+    ("push_to_hub.py", "missing argument", ["--repo-id", "me/x"], REQUIRED + "--checkpoint"),
+    ("push_to_hub.py", "missing file", ["--checkpoint", "./no-such-run", "--repo-id", "me/x", "--dry-run", "x"],
      "checkpoint path ./no-such-run does not exist"),
-])
-def test_every_cli_prints_one_line_and_exits_2(argv, message):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    ("push_to_hub.py", "bad value", ["--checkpoint", "c", "--repo-id", "me/x y", "--dry-run", "x"],
+     "--repo-id 'me/x y' is not a valid Hub repo id"),
+    # scripts/demo.py: no required argument and no input file (it reads the repo's data/demo; --out is created)
+    ("scripts/demo.py", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("scripts/demo.py", "wrong type", ["--max-new-tokens", "abc"], "argument --max-new-tokens: " + NOT_INT),
+    # scripts/seed_checkpoint.py: no input file (--out is written)
+    ("scripts/seed_checkpoint.py", "unknown flag", ["--out", "s", "--no-such-flag"], UNKNOWN),
+    ("scripts/seed_checkpoint.py", "missing argument", [], REQUIRED + "--out"),
+    ("scripts/seed_checkpoint.py", "wrong type", ["--out", "s", "--mask-token-id", "abc"],
+     "argument --mask-token-id: " + NOT_INT),
+    # scripts/vllm_check_config.py: checked before vLLM is imported, so these hold in any environment
+    ("scripts/vllm_check_config.py", "unknown flag", ["d", "v", "--no-such-flag"], UNKNOWN),
+    ("scripts/vllm_check_config.py", "missing argument", ["d"], REQUIRED + "verifier"),
+    ("scripts/vllm_check_config.py", "missing file", ["./no-such-drafter", "v"],
+     "drafter ./no-such-drafter is neither an existing directory nor a Hub id"),
+    ("scripts/vllm_check_config.py", "wrong type", ["d", "v", "--num-speculative-tokens", "abc"],
+     "argument --num-speculative-tokens: " + NOT_INT),
+    ("scripts/vllm_serving_fidelity.py", "unknown flag", ["--drafter", "d", "--prompts", "p", "--out", "o",
+                                                          "--no-such-flag"], UNKNOWN),
+    ("scripts/vllm_serving_fidelity.py", "missing argument", ["--drafter", "d", "--out", "o"],
+     REQUIRED + "--prompts"),
+    ("scripts/vllm_serving_fidelity.py", "missing file", ["--drafter", "./no-such-drafter", "--prompts", "p",
+                                                          "--out", "o"],
+     "drafter directory ./no-such-drafter does not exist"),
+    ("scripts/vllm_serving_fidelity.py", "wrong type", ["--drafter", "d", "--prompts", "p", "--out", "o",
+                                                        "--max-prompts", "abc"], "argument --max-prompts: " + NOT_INT),
+    # benchmarks.run: no required argument and no input file (--work and --json are written)
+    ("benchmarks.run", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.run", "wrong type", ["--reps", "abc"], "argument --reps: " + NOT_INT),
+    ("benchmarks.train_step", "unknown flag", ["run", "--config", "small", "--inputs", "i", "--json", "j",
+                                               "--no-such-flag"], UNKNOWN),
+    ("benchmarks.train_step", "missing argument", ["run", "--inputs", "i", "--json", "j"], REQUIRED + "--config"),
+    ("benchmarks.train_step", "missing subcommand", [], REQUIRED + "command"),
+    ("benchmarks.train_step", "missing file", ["run", "--config", "small", "--inputs", "./no-such-inputs", "--json",
+                                               "j"], "no-such-inputs holds no benchmark inputs"),
+    ("benchmarks.train_step", "wrong type", ["run", "--config", "small", "--inputs", "i", "--json", "j", "--steps",
+                                             "abc"], "argument --steps: " + NOT_INT),
+    # benchmarks.speculators_step: its inputs are checked before its environment (.venv-speculators)
+    ("benchmarks.speculators_step", "unknown flag", ["--config", "small", "--inputs", "i", "--json", "j",
+                                                     "--no-such-flag"], UNKNOWN),
+    ("benchmarks.speculators_step", "missing argument", ["--config", "small", "--json", "j"], REQUIRED + "--inputs"),
+    ("benchmarks.speculators_step", "missing file", ["--config", "small", "--inputs", "./no-such-inputs", "--json",
+                                                     "j"], "no-such-inputs holds no benchmark inputs"),
+    ("benchmarks.speculators_step", "wrong type", ["--config", "small", "--inputs", "i", "--json", "j", "--steps",
+                                                   "abc"], "argument --steps: " + NOT_INT),
+    # benchmarks.gpu_step, loss_alone, muon_step: no required argument and no input file
+    ("benchmarks.gpu_step", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.gpu_step", "wrong type", ["--steps", "abc"], "argument --steps: " + NOT_INT),
+    ("benchmarks.loss_alone", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.loss_alone", "wrong type", ["--repeats", "abc"], "argument --repeats: " + NOT_INT),
+    ("benchmarks.loss_alone", "wrong list", ["--quick", "--vocab", "abc"],
+     "--vocab 'abc' is not a comma-separated list of integers"),
+    ("benchmarks.muon_step", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.muon_step", "wrong type", ["--repeats", "abc"], "argument --repeats: " + NOT_INT),
+    # benchmarks.inference: no required argument; the optional --drafter is the input file
+    ("benchmarks.inference", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.inference", "missing file", ["--drafter", "./no-such-drafter"],
+     "drafter directory ./no-such-drafter does not exist"),
+    ("benchmarks.inference", "wrong type", ["--threads", "abc"], "argument --threads: " + NOT_INT),
+    # benchmarks.hidden_states, regeneration: no required argument; the input file is the vLLM python
+    ("benchmarks.hidden_states", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.hidden_states", "missing file", ["--vllm-python", "./no-such-python"],
+     "no vLLM environment at ./no-such-python"),
+    ("benchmarks.hidden_states", "wrong type", ["--steps", "abc"], "argument --steps: " + NOT_INT),
+    ("benchmarks.regeneration", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.regeneration", "missing file", ["--vllm-python", "./no-such-python"],
+     "no vLLM environment at ./no-such-python"),
+    ("benchmarks.regeneration", "wrong type", ["--prompts", "abc"], "argument --prompts: " + NOT_INT),
+]
+
+
+@pytest.mark.parametrize("entry, case, args, cause", EVERY_CLI, ids=[f"{e} {c}" for e, c, _, _ in EVERY_CLI])
+def test_every_cli_prints_one_line_and_exits_2(entry, case, args, cause, tmp_path):
+    command = [str(ROOT / entry)] if entry.endswith(".py") else ["-m", entry]
+    env = {k: v for k, v in os.environ.items() if k != "DSPARK_DEBUG"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, *command, *args], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith("error: ") and cause in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+    assert not any(tmp_path.iterdir()), "a refused command wrote into its working directory"
+
+
+def test_the_shared_parser_names_the_fix():
+    from trainer.errors import Parser, UsageError
+
+    parser = Parser(prog="x")
+    parser.add_argument("--max-prompts", type=int)
+    parser.add_argument("--out", required=True)
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --max-promts 3; did you mean --max-prompts\? "
+                                         r"\(run with --help to see the flags and what each takes\)\.$"):
+        parser.parse_args(["--out", "o", "--max-promts", "3"])
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --zzz; run with --help to see the flags"):
+        parser.parse_args(["--out", "o", "--zzz"])
+    with pytest.raises(UsageError, match="^the following arguments are required: --out; run with --help"):
+        parser.parse_args([])
+    with pytest.raises(UsageError, match="^argument --max-prompts: invalid int value: 'x'; run with --help"):
+        parser.parse_args(["--out", "o", "--max-prompts", "x"])
+    assert parser.parse_args(["--out", "o", "--max-prompts", "3"]).max_prompts == 3
 
 
 def test_bad_data_files_are_named_before_the_verifier_loads(chat_verifier_dir, tmp_path, capsys, monkeypatch):

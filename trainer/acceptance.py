@@ -51,7 +51,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configuration_dspark import is_hub_id  # noqa: E402
-from trainer.errors import UsageError, run_cli  # noqa: E402
+from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
 from trainer.results import (  # noqa: E402
     DRAFT_METHODS,
     SUBSETS,
@@ -303,7 +303,7 @@ def evaluate_in_process(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory or Hub id")
     parser.add_argument("--verifier", default=None,
                         help="verifier Hub id or directory (default: the one named in the drafter's config)")

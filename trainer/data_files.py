@@ -73,7 +73,9 @@ def _json_kind(value: Any) -> str:
     return "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
 
 
-def _snippet(text: str, limit: int = 80) -> str:
+def excerpt(text: str, limit: int = 80) -> str:
+    """A data line as an error message quotes it: stripped, control characters escaped, and at most `limit`
+    characters (ending in `...` when cut), so that a long row never floods the one-line error."""
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.strip())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -88,7 +90,7 @@ class BadLine:
     text: str  # the line, invalid UTF-8 bytes shown as \\xNN
 
     def describe(self) -> str:
-        return f"data file {self.path} line {self.line} {self.reason}: '{_snippet(self.text)}'"
+        return f"data file {self.path} line {self.line} {self.reason}: '{excerpt(self.text)}'"
 
 
 @dataclass
@@ -352,7 +354,7 @@ def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path} line {number} is not valid JSON ({e.msg}, column {e.colno}): "
-                                 f"{line.strip()[:60]!r}; fix or delete that line.") from e
+                                 f"'{excerpt(line)}'; fix or delete that line.") from e
             if not isinstance(row, dict):
                 raise UsageError(f"{path} line {number} is a JSON {type(row).__name__}, not an object; write one "
                                  f"object per line.")

@@ -3,15 +3,19 @@
 Expected failures (bad input, a refusal, a missing file, a failed upload) raise a `DSparkError` whose message
 is one sentence naming the cause and the fix. `run_cli` turns it into one line `error: <message>` on stderr and
 an exit status (2 for bad input, 1 for a runtime failure); anything else is a genuine bug and keeps its
-traceback. `--debug` (or `DSPARK_DEBUG=1`) shows the traceback of expected failures too.
+traceback. `--debug` (or `DSPARK_DEBUG=1`) shows the traceback of expected failures too. `Parser` is the
+argparse parser of every entry point, so a bad command line takes the same path.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import errno
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 
 class DSparkError(Exception):
@@ -36,6 +40,33 @@ def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "file write failed" in str(error)
 
 
+class Parser(argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose errors (an unknown flag, a missing argument, a value of the wrong type or
+    outside the choices) raise a `UsageError` instead of printing the usage block and exiting: `run_cli` then
+    reports them in one line like any other bad input, and in-process callers can catch them. Subcommand
+    parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        fix = "run with --help to see the flags and what each takes"
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flag = next((a for a in message[len(prefix):].split() if a.startswith("-")), "").split("=")[0]
+            close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1, cutoff=0.75) if flag else []
+            if close:  # the most common slip is a misspelt flag: name the one meant
+                fix = f"did you mean {close[0]}? ({fix})"
+        raise UsageError(f"{message}; {fix}.")
+
+
+def report(error: DSparkError, redact: tuple[str, ...] = ()) -> int:
+    """Print `error: <message>` on one line of stderr (secrets in `redact` masked); return the exit status."""
+    message = " ".join(str(error).split())
+    for secret in redact:
+        if secret:
+            message = message.replace(secret, "***")
+    print(f"error: {message}", file=sys.stderr)
+    return error.exit_code
+
+
 def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None, redact: tuple[str, ...] = ()) -> int:
     """Call `main(argv)` and map expected failures to `error: ...` and an exit status.
 
@@ -48,12 +79,7 @@ def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None, 
     except DSparkError as e:
         if debug:
             raise
-        message = " ".join(str(e).split())
-        for secret in redact:
-            if secret:
-                message = message.replace(secret, "***")
-        print(f"error: {message}", file=sys.stderr)
-        return e.exit_code
+        return report(e, redact)
     except KeyboardInterrupt:
         print("error: interrupted; what was finished is kept (completed checkpoints, finished rows and files), so "
               "rerun the same command to continue (for training, add --resume_from_checkpoint latest).",

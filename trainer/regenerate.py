@@ -66,7 +66,7 @@ if __package__ in (None, ""):
 from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.data import normalize_messages  # noqa: E402
 from trainer.data_files import read_jsonl_objects  # noqa: E402
-from trainer.errors import DSparkError, UsageError, run_cli  # noqa: E402
+from trainer.errors import DSparkError, Parser, UsageError, run_cli  # noqa: E402
 from trainer.vllm_http import VLLMServerError, checked_url, request_json, served_models  # noqa: E402
 
 logger = logging.getLogger("dspark")
@@ -515,8 +515,8 @@ class VLLMChatClient:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainer.regenerate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m trainer.regenerate", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--verifier", required=True, help="Hub id or local directory of the verifier")
     parser.add_argument("--prompts", required=True, help="JSONL with a `prompt` column, chat JSONL, or a Hub dataset")
     parser.add_argument("--out", required=True, help="output chat JSONL (appended; existing ids are skipped)")

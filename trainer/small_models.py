@@ -13,7 +13,6 @@ CLI: `python -m trainer.small_models HuggingFaceTB/SmolLM2-135M-Instruct` prints
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import importlib.metadata
 import importlib.util
@@ -26,6 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.errors import Parser, run_cli
 
 CACHE_DIR = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 """Where converted models live (`$DSPARK_CACHE`, else `~/.cache/dspark`)."""
@@ -253,7 +254,7 @@ def _version(distribution: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="+", help="Hub ids or local dirs; registered ids: " + ", ".join(REGISTRY))
     args = parser.parse_args(argv)
     for name in args.names:
@@ -261,4 +262,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -33,7 +33,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.errors import UsageError, run_cli  # noqa: E402
+from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
 from trainer.results import (  # noqa: E402
     DRAFT_METHODS,
     AcceptanceStats,
@@ -172,7 +172,7 @@ def evaluate_server(url: str, prompt_sets: dict[str, list[str]], *, sampling: di
 def main(argv: list[str] | None = None) -> dict:
     from trainer.acceptance import load_prompt_sets
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", required=True, help="URL of the vLLM server that serves the drafter")
     parser.add_argument("--baseline", default=None, help="URL of a server of the verifier alone (for the speedup)")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=URL",

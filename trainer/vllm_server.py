@@ -20,7 +20,6 @@ generated token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -231,8 +230,9 @@ class ServerProcess:
 
 def main(argv: list[str]) -> None:
     from trainer.config import RunConfig
+    from trainer.errors import Parser, UsageError
 
-    parser = argparse.ArgumentParser(prog="python -m trainer.vllm_server", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer.vllm_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the run config (its verifier, aux ids, dtype, lengths)")
     parser.add_argument("--states_dir", default=None,
                         help="where the connector writes (default: train.vllm_states_dir); the trainer must see it")
@@ -247,8 +247,6 @@ def main(argv: list[str]) -> None:
     config = RunConfig.load(args.config, overrides)
     states_dir = args.states_dir or config.train.vllm_states_dir
     if not states_dir:
-        from trainer.errors import UsageError
-
         raise UsageError("no hidden-states directory; pass --states_dir (a directory both the server and the trainer "
                          "see) or set train.vllm_states_dir.")
     spec = spec_for_config(config, states_dir, device=args.device, port=args.port, host=args.host,
