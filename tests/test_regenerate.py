@@ -6,11 +6,10 @@ tests/test_vllm_regenerate.py."""
 import json
 import socket
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from stand_in import StandIn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.errors import DSparkError, UsageError, run_cli
@@ -162,46 +161,6 @@ def test_an_unreachable_server_is_one_sentence(tmp_path, capsys):
         regenerate("x", prompts, str(tmp_path / "out.jsonl"), server=url)
 
 
-class StandIn:
-    """A scripted OpenAI-compatible server (the client's logic, not vLLM's): `/v1/models` lists `served`, and
-    `answer(body)` -> `(status, json, delay seconds)` scripts each chat completion; bodies are recorded."""
-
-    def __init__(self, answer, served="demo/model", max_model_len=2048):
-        self.answer, self.bodies, self.lock = answer, [], threading.Lock()
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self.reply(200, {"data": [{"id": served, "root": "/models/" + served, "max_model_len": max_model_len}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with stand_in.lock:
-                    stand_in.bodies.append(body)
-                status, payload, delay = stand_in.answer(body)
-                time.sleep(delay)
-                self.reply(status, payload)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def completion(text, tokens, finish="stop"):
     return {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": finish}],
             "usage": {"completion_tokens": tokens}}
@@ -233,7 +192,7 @@ def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_p
             last_answered.set()
         return 200, completion(f" reply to {prompt} ", 8 if finish == "length" else 4, finish), 0.0
 
-    server = StandIn(answer)
+    server = StandIn(lambda path, body: answer(body))
     rows = [{"id": "r0", "messages": [user("p0"), assistant("old"), user("follow-up")]},
             *({"id": f"r{i}", "prompt": f"p{i}"} for i in range(1, 8))]
     prompts = write_rows(tmp_path / "prompts.jsonl", rows)
@@ -264,7 +223,7 @@ def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_p
             "model": "demo/model", "max_tokens": 8, "temperature": 0.0, "seed": request_seed(7, "r0", 0)}
         assert result["sampling"] == {"temperature": 0.0}
         # a rerun retries only the failed row
-        server.answer = lambda body: (200, completion("now fine", 2), 0.0)
+        server.answer = lambda path, body: (200, completion("now fine", 2), 0.0)
         again = regenerate(chat_verifier_dir, prompts, str(out), backend="vllm", server=server.url,
                            served_model_name="demo/model", max_new_tokens=8, temperature=0.7, top_p=0.9)
         assert again["written"] == 1 and again["skipped_existing"] == 7 and again["failed"] == 0
@@ -276,7 +235,7 @@ def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_p
 
 
 def test_the_vllm_client_stops_when_the_server_keeps_failing(chat_verifier_dir, tmp_path):
-    server = StandIn(lambda body: (200, completion("ok", 1), 0.0) if last_user(body) == "p0" else
+    server = StandIn(lambda path, body: (200, completion("ok", 1), 0.0) if last_user(body) == "p0" else
                      (502, {"error": "engine dead"}, 0.0))
     prompts = write_rows(tmp_path / "prompts.jsonl", [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(40)])
     out = tmp_path / "out.jsonl"

@@ -10,12 +10,12 @@ import os
 import shutil
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from stand_in import StandIn
 
 from trainer.config import RunConfig
 from trainer.errors import UsageError, run_cli
@@ -29,55 +29,13 @@ SERVED = "tiny/verifier"
 IDS = torch.arange(6, dtype=torch.long) + 7
 
 
-class StandIn:
-    """A scripted OpenAI-compatible server (mirrors tests/test_regenerate.py's): GET answers `/v1/models`, each
-    POST `answer(path, body)` -> `(status, json)`. Every request's headers and body are recorded, and an error
-    answer echoes the headers it got (as some proxies do), so a client that sent a secret would print it back."""
-
-    def __init__(self, answer, served=SERVED):
-        self.answer, self.requests, self.lock = answer, [], threading.Lock()
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status, payload):
-                if status >= 400:
-                    payload = {**payload, "echo": dict(self.headers)}
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                with stand_in.lock:
-                    stand_in.requests.append((self.path, dict(self.headers), None))
-                self.reply(200, {"data": [{"id": served, "root": served, "max_model_len": 4096}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with stand_in.lock:
-                    stand_in.requests.append((self.path, dict(self.headers), body))
-                self.reply(*stand_in.answer(self.path, body))
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def stand_in():
     servers = []
 
     def start(answer, **kw):
-        servers.append(StandIn(answer, **kw))
+        servers.append(StandIn(answer, **{"served": SERVED, "root": SERVED, "max_model_len": 4096,
+                                           "echo_headers": True, **kw}))
         return servers[-1]
 
     yield start
