@@ -91,6 +91,36 @@ def test_an_unreachable_server_is_named_before_training_and_stops_a_run_after_bo
     assert src.stats["retries"] == 2
 
 
+def test_a_dead_servers_documents_go_to_the_live_url_and_its_in_flight_requests_count_once(tmp_path, monkeypatch):
+    """Two URLs: one answers (a stand-in that writes each file like the connector), the other stalls every request
+    until it dies, then refuses connections (a closed port, for real). All eight threads end up waiting on the dead
+    one; when it dies they fail together, which is one failure of the run (not eight, which max_failures 2 would
+    stop on), and their retries skip the dead URL while it cools down: every document is served."""
+    dead, live = f"http://127.0.0.1:{free_port()}", "http://live.test:1"
+    src = source(tmp_path, [dead, live], retries=3, max_failures=2, backoff=0.2)
+    died, real_post, tried = threading.Event(), src._post_completion, {dead: 0, live: 0}
+    names = iter(range(10**6))
+
+    def post(url, ids):
+        tried[url] += 1
+        if url == live:
+            name = f"cmpl-{next(names)}.safetensors"
+            write_states(tmp_path / name, ids)
+            return {"kv_transfer_params": {"hidden_states_path": f"/server/mount/{name}"}}
+        died.wait(10)  # in flight until the server dies, then its port is closed
+        return real_post(url, ids)
+
+    monkeypatch.setattr(src, "_post_completion", post)
+    threading.Timer(0.5, died.set).start()
+    documents = [torch.arange(5) + i for i in range(24)]
+    out = src.document_states(documents)
+    src.close()
+    assert len(out) == 24 and all(aux.shape == (5, 24) for aux, _ in out)
+    assert src.stats["requests"] == 24 and src.stats["retries"] == tried[dead] >= 2
+    assert tried[dead] <= 8 + 2  # the stalled ones, then a probe or two once its cool-down ran out
+    assert os.listdir(tmp_path) == []  # every file the live one wrote was read and deleted
+
+
 def test_urls_are_spread_or_assigned_per_rank():
     urls = ["http://a:1/", "http://b:1", "http://c:1"]
     assert urls_for_rank(urls, 0, 6, False) == ["http://a:1", "http://b:1", "http://c:1"]

@@ -251,7 +251,13 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     # The initial evaluation runs inside train() (eval_on_start): calling trainer.evaluate() before train()
     # registers the unwrapped model with accelerate, and training then silently runs without DDP.
     trainer.args.eval_on_start = has_validation and t.eval_at_start and resume is None
-    result = trainer.train(resume_from_checkpoint=resume)
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+    except BaseException:
+        # The run stops here: drop the requests queued for later batches, so the exit waits only for those in
+        # flight (each deletes its file) and sends a server nothing more.
+        close_source(source)
+        raise
     initial = next((h for h in trainer.state.log_history if h.get("step") == 0 and "eval_accept_len" in h), None)
     try:
         trainer.save_model(t.output_dir)
@@ -265,8 +271,7 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     final = trainer.evaluate() if has_validation else {}
     calibration = calibrate_confidence(trainer, drafter, config, has_validation)
     states_report = source_report(source)
-    if hasattr(source, "close"):
-        source.close()
+    close_source(source)
     summary = {
         "train_loss": result.training_loss,
         "global_step": trainer.state.global_step,
@@ -334,6 +339,13 @@ def source_report(source: HiddenStateSource) -> dict:
         if isinstance(part, VLLMStateSource):
             report["vllm"] = dict(part.stats)
     return report
+
+
+def close_source(source: HiddenStateSource) -> None:
+    """Stop a source's background requests (an online one, or the one behind a hybrid cache)."""
+    for part in (source, getattr(source, "fallback", None)):
+        if hasattr(part, "close"):
+            part.close()
 
 
 def build_objective(config: RunConfig, block_size: int | None = None):

@@ -13,8 +13,12 @@ serves another model or a too-short context, was started without the connector o
 exact ids when the server names them, as that command's servers do; else their number, from a probe file's
 shape), or writes to a directory this machine cannot see. The last layer is checked against the verifier itself: the
 teacher's next-token choice on the probe must be the server's own generated token. Failures are retried with
-backoff on the next URL; `max_failures` consecutive failures, or one document failing all its attempts, stop
-the run with the last cause. A document's states depend on its ids only, so the source holds no per-row state.
+backoff on the next URL, and a URL that just failed is skipped (for a cool-down that doubles while it keeps failing)
+as long as another one is not cooling down, so a killed server's documents go to the others. `max_failures`
+consecutive failures, or one document failing all its attempts, stop the run with the last cause in one sentence;
+the requests that were in flight together on a server when it died count as one failure, so the stop comes after
+the retries' backoff (the wait for a server to come back), not at once. A document's states depend on its ids only,
+so the source holds no per-row state.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ logger = logging.getLogger("dspark")
 # The connector's file name, `<request id>.safetensors` (vLLM's ids: `cmpl-<hex>-<n>`, maybe with a suffix).
 STATES_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors")
 SERVER_HINT = "start it with the command `python -m trainer.vllm_server --config <run config>` prints"
+STOP_HINT = ("check the servers and their logs (restart one that died with the command `python -m trainer.vllm_server "
+             "--config <run config>` prints), then resume the run with --resume_from_checkpoint latest")
+MAX_COOLDOWN = 60.0  # seconds a URL that keeps failing is skipped at most: a dead server is probed about once a minute
 
 
 VLLMStatesError = VLLMServerError  # a server or its hidden-state files failed in a way retries did not fix
@@ -127,6 +134,10 @@ class VLLMStateSource(DocumentStateSource):
         self._lock = threading.Lock()
         self._next_url = 0
         self._consecutive_failures = 0
+        # Per URL: its consecutive failures, until when it is skipped, and when its last counted failure happened.
+        self._url_failures = dict.fromkeys(self.urls, 0)
+        self._down_until = dict.fromkeys(self.urls, 0.0)
+        self._counted_at = dict.fromkeys(self.urls, float("-inf"))
         self.stats = {"requests": 0, "retries": 0, "tokens": 0, "seconds_waiting": 0.0}
 
     # ------------------------------------------------------------------------------------------ interface
@@ -220,9 +231,10 @@ class VLLMStateSource(DocumentStateSource):
         return future
 
     def _fetch(self, ids: torch.Tensor) -> torch.Tensor:
-        attempts, last_error = self.retries + 1, ""
+        attempts, last_error, error = self.retries + 1, "", None
         for attempt in range(attempts):
             url = self._url()
+            sent = time.monotonic()
             try:
                 response = self._post_completion(url, ids)
                 path = self._local_path(url, response)
@@ -232,29 +244,52 @@ class VLLMStateSource(DocumentStateSource):
                     remove_states_file(path)
                 with self._lock:
                     self._consecutive_failures = 0
+                    self._url_failures[url], self._down_until[url] = 0, 0.0
                     self.stats["requests"] += 1
                     self.stats["tokens"] += ids.numel()
                 return states
             except (BadStatesFile, VLLMStatesError, OSError, ValueError) as e:
-                last_error = f"{url}: {' '.join(str(e).split())[:300]}"
-                with self._lock:
-                    self._consecutive_failures += 1
-                    self.stats["retries"] += 1
-                    failures = self._consecutive_failures
+                # The short cause (a server error's reason, a bad file's sentence without its period), so the stop
+                # below stays one sentence with one fix.
+                cause = e.reason if isinstance(e, VLLMServerError) else str(e)
+                last_error = f"{url}: {' '.join(cause.split()).rstrip('.')[:300]}"
+                failures = self._failed(url, sent)
                 if failures >= self.max_failures:
                     raise VLLMStatesError(f"{failures} hidden-state requests to the vLLM servers failed in a row (last: "
-                                          f"{last_error}); check the servers and their logs, then resume the run with "
-                                          f"--resume_from_checkpoint latest.") from e
+                                          f"{last_error}); {STOP_HINT}.") from e
+                error = e
                 logger.warning("hidden-state request failed (attempt %d of %d): %s", attempt + 1, attempts, last_error)
-                time.sleep(self.backoff * 2**attempt)
+                if attempt + 1 < attempts:  # no wait after the last attempt: the run stops at once
+                    time.sleep(self.backoff * 2**attempt)
         raise VLLMStatesError(f"a document of {ids.numel()} tokens failed all {attempts} hidden-state requests (last: "
-                              f"{last_error}); check the servers, then resume with --resume_from_checkpoint latest.")
+                              f"{last_error}); {STOP_HINT}.") from error
+
+    def _failed(self, url: str, sent: float) -> int:
+        """Record a failed request to `url` sent at `sent`; returns the run's consecutive failures."""
+        with self._lock:
+            now = time.monotonic()
+            self.stats["retries"] += 1
+            self._url_failures[url] += 1
+            cooldown = self.backoff * 2 ** min(self._url_failures[url] - 1, 16)
+            self._down_until[url] = now + min(cooldown, max(MAX_COOLDOWN, self.backoff))
+            # Requests that were in flight on a server when it died all fail at once: they are one failure of the
+            # run (the first counts), not one each, or `concurrency` of them would stop it without any retry.
+            if self._counted_at[url] < sent:
+                self._counted_at[url] = now
+                self._consecutive_failures += 1
+            return self._consecutive_failures
 
     def _url(self) -> str:
+        """The next URL in turn that is not cooling down after a failure; when all are, the one back soonest
+        (the caller's backoff is then the wait for a server to come back)."""
         with self._lock:
-            url = self.urls[self._next_url % len(self.urls)]
-            self._next_url += 1
-        return url
+            now = time.monotonic()
+            order = [self.urls[(self._next_url + i) % len(self.urls)] for i in range(len(self.urls))]
+            skip = next((i for i, u in enumerate(order) if self._down_until[u] <= now), None)
+            if skip is None:
+                skip = min(range(len(order)), key=lambda i: self._down_until[order[i]])
+            self._next_url += skip + 1
+            return order[skip]
 
     def _post_completion(self, url: str, ids: torch.Tensor) -> dict:
         body = {"model": self.served_name, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0,
