@@ -1007,7 +1007,7 @@ class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
         """The draft logits as a sum of linear maps, `sum_i x_i @ W_i^T`: `(h, lm_head.weight)` and, with a
         Markov head, `(markov_w1[prev], markov_w2.weight)`. Each `x_i` is cast to its `W_i`'s dtype. The training
         loss reads this form to write the gradients of its logits straight into `x_i` and `W_i`
-        (trainer/objective.py), so it never keeps or recomputes a `[slots, Vd]` tensor for the backward.
+        (trainer/train/loss.py), so it never keeps or recomputes a `[slots, Vd]` tensor for the backward.
         `previous_features` are `markov_w1[previous_token_ids]` when the caller already looked them up."""
         head = self.lm_head.weight
         terms = [(hidden_states.to(head.dtype), head)]

@@ -6,7 +6,7 @@
 
 The export runs in three steps, and any failure stops it before anything reaches the Hub:
 
-1. **Stage** a folder that is exactly the serving contract (the tensor list in `trainer/servable.py`): bf16
+1. **Stage** a folder that is exactly the serving contract (the tensor list in `trainer/export/contract.py`): bf16
    `model.safetensors` with only the contract's tensors and nothing of the verifier, `config.json` naming
    the verifier by Hub id (vLLM 0.33 refuses local paths there), the two remote-code files, `README.md` (the
    model card, rendered from the checkpoint's config, its saved run configuration and the given evaluation
@@ -24,10 +24,10 @@ The export runs in three steps, and any failure stops it before anything reaches
 save writes last, so an interrupted save is refused), the run's final model, or a training output_dir, which
 means its `checkpoint-best` when present, else its own final model, else its latest complete checkpoint.
 `OUTPUT_DIR:best`, `OUTPUT_DIR:latest`, `OUTPUT_DIR:final` and `OUTPUT_DIR:<step>` select explicitly.
-Symlinks are resolved. (The run directory's layout is described in `trainer/checkpoints.py`.)
+Symlinks are resolved. (The run directory's layout is described in `trainer/train/checkpoints.py`.)
 
-`--eval-results` takes the `dspark-acceptance/1` JSON files that `trainer/acceptance.py` writes (format in
-`trainer/results.py`); each must be measured for this drafter's block size, verifier and weights.
+`--eval-results` takes the `dspark-acceptance/1` JSON files that `trainer/evaluation/in_process.py` writes (format in
+`trainer/evaluation/results.py`); each must be measured for this drafter's block size, verifier and weights.
 
 The token comes from the usual Hugging Face sources (`HF_TOKEN`, or the login saved by `hf auth login`) and
 is never printed. Errors are one sentence naming the cause and the fix; the exit status is 2 for bad input
@@ -49,11 +49,11 @@ from huggingface_hub import get_token
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from trainer.checkpoints import BEST_LINK, Checkpoint, resolve_checkpoint
 from trainer.errors import DSparkError, Parser, UsageError, run_cli
-from trainer.results import SCHEMA as RESULTS_SCHEMA
-from trainer.servable import read_json
-from trainer.staging import DELETE_PATTERNS, Staged, StagingError, is_export_file, stage
+from trainer.evaluation.results import SCHEMA as RESULTS_SCHEMA
+from trainer.export.contract import read_json
+from trainer.export.staging import DELETE_PATTERNS, Staged, StagingError, is_export_file, stage
+from trainer.train.checkpoints import BEST_LINK, Checkpoint, resolve_checkpoint
 
 PushError = DSparkError  # every refusal or failure of an export (checkpoint, results, serving, upload) is one
 
@@ -110,7 +110,7 @@ def build_parser() -> Parser:
     p.add_argument("--repo-id", required=True, help="target Hub repo, ORG/NAME")
     p.add_argument("--verifier-id", help="the verifier's Hub id for config.json (default: the checkpoint's)")
     p.add_argument("--eval-results", nargs="+", action="extend", default=[], metavar="FILE",
-                   help=f"{RESULTS_SCHEMA} JSON files from trainer/acceptance.py (one card section each)")
+                   help=f"{RESULTS_SCHEMA} JSON files from trainer/evaluation/in_process.py (one card section each)")
     p.add_argument("--license", default="apache-2.0", help="license metadata for the card (default: apache-2.0)")
     p.add_argument("--private", action="store_true", help="create the repo as private (when it does not exist)")
     p.add_argument("--revision", help="branch to commit to (created when missing; default: main)")

@@ -116,8 +116,8 @@ def build(smoke: bool, device, bf16_weights: bool, attn: str, overrides_argv: li
     from configuration_dspark import DSparkConfig
     from modeling_dspark import DSparkDraftModel
     from trainer.config import RunConfig
-    from trainer.objective import Teacher
-    from trainer.optim import MuonAdamWFactory
+    from trainer.train.optim import MuonAdamWFactory
+    from trainer.verifier.teacher import Teacher
 
     run = RunConfig.load(RECIPE, overrides_argv)
     vcfg = verifier_config(smoke)
@@ -192,7 +192,8 @@ class Step:
     def __call__(self):
         import torch
 
-        from trainer.objective import block_supervision, dspark_loss, sample_anchors
+        from trainer.train.anchors import block_supervision, sample_anchors
+        from trainer.train.loss import dspark_loss
 
         b = self.batch
         anchors = sample_anchors(b["loss_mask"], b["document_ids"], self.objective.max_anchors, generator=self.generator)

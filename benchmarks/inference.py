@@ -2,7 +2,7 @@
 
     python -m benchmarks.inference --json OUT [--quick] [--drafter DIR] [--max-new-tokens 64] [--prompts 3]
 
-(a) hidden-state extraction in process: tokens/s of `trainer.hidden_states.InProcessVerifier.states` on one
+(a) hidden-state extraction in process: tokens/s of `trainer.states.in_process.InProcessVerifier.states` on one
     packed row of 4 documents x 512 tokens with the demo's aux layer ids, next to one plain decoder forward of
     the same documents as a batch (what `states` costs on top of the forward itself);
 (b) `draft()` latency per block for a drafter of the demo's shape (configs/smollm2-135m.yaml, read through
@@ -105,8 +105,8 @@ def load_models(drafter_dir: str | None, seed: int = 0):
     from configuration_dspark import DSparkConfig
     from modeling_dspark import DSparkDraftModel
     from trainer.config import RunConfig
-    from trainer.small_models import resolve_model
-    from trainer.verifier import load_verifier
+    from trainer.verifier.loading import load_verifier
+    from trainer.verifier.small_models import resolve_model
 
     path = resolve_model(VERIFIER)
     verifier = load_verifier(path, dtype="float32", device="cpu")
@@ -139,7 +139,7 @@ def load_models(drafter_dir: str | None, seed: int = 0):
 
 def chat_prompts(tokenizer, count: int) -> list:
     """The first prompt of `count` held-out subsets (data/demo/heldout), rendered with the chat template."""
-    from trainer.acceptance import load_prompt_sets
+    from trainer.evaluation.prompts import load_prompt_sets
 
     sets = load_prompt_sets(PROMPT_DIR, limit=1)
     names = sorted(sets)[:count]
@@ -156,7 +156,7 @@ def bench_extraction(verifier, aux_ids, sizes) -> tuple[dict, list]:
     import torch
 
     from modeling_dspark import positions_from_document_ids, verifier_decoder
-    from trainer.hidden_states import InProcessVerifier
+    from trainer.states.in_process import InProcessVerifier
 
     docs, per_doc, repeats = sizes["documents"], sizes["doc_tokens"], sizes["extract_repeats"]
     g = torch.Generator().manual_seed(0)
@@ -256,7 +256,7 @@ def bench_generation(verifier, drafter, tokenizer, sizes) -> tuple[dict, list, d
     import torch
 
     import modeling_dspark
-    from trainer.verifier import generation_kwargs
+    from trainer.verifier.loading import generation_kwargs
 
     max_new = sizes["max_new_tokens"]
     prompts = chat_prompts(tokenizer, sizes["prompts"])
@@ -427,7 +427,7 @@ def main() -> None:
                          f"pass --max-new-tokens >= 2 and --prompts >= 1.")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.drafter:
-        from trainer.verifier import resolve_pretrained
+        from trainer.verifier.loading import resolve_pretrained
 
         resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)  # refused before the verifier loads
     import torch

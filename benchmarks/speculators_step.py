@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-# This package's root (for `benchmarks.common` and `trainer.optim`), which is not installed in .venv-speculators.
+# This package's root (for `benchmarks.common` and `trainer.train.optim`), which is not installed in .venv-speculators.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import LOSS_WEIGHTS, BenchmarkError, fail, machine, train_steps, write_json  # noqa: E402
@@ -39,13 +39,13 @@ from trainer.errors import Parser, run_cli  # noqa: E402
 def build_optimizers(model):
     """speculators' routing (`build_optimizers(model, config)` with `optimizer="muon"`): torch's own `Muon`, with
     its Newton-Schulz run in float32 instead of bf16 (the fp32 treatment our CPU runs get, and nothing more: one
-    matrix at a time, torch's iteration line for line, `trainer.optim.zeropower_via_newton_schulz`), and torch's
+    matrix at a time, torch's iteration line for line, `trainer.train.optim.zeropower_via_newton_schulz`), and torch's
     default AdamW."""
     import torch
     import torch.optim._muon as torch_muon
     from speculators.train.optimizers import split_named_params_for_muon
 
-    from trainer.optim import zeropower_via_newton_schulz
+    from trainer.train.optim import zeropower_via_newton_schulz
 
     def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
         return zeropower_via_newton_schulz(grad, ns_coefficients, ns_steps, eps, torch.float32)

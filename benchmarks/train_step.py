@@ -21,9 +21,9 @@ Configs: small = T 1024, 64 anchors (512 slots); large = T 2048, 256 anchors (2,
 shapes under the same names (hidden 64, vocabulary 4,096, draft vocabulary 512, T 128 / 256) to check the harness.
 
 `run` (one fresh process per run): loads the inputs and the drafter, builds the teacher exactly as
-`trainer.hidden_states.InProcessVerifier` does, then runs 2 warm-up and N timed steps, each split into forward
-(drafter forward + `trainer.objective.dspark_loss`), backward and optimizer (grad-norm clip to 1.0, step, zero_grad)
-with `trainer.optim.MuonWithAdamW` (Muon on `muon_parameter_names`, float32 Newton-Schulz). `--impl ours` uses the
+`trainer.states.in_process.InProcessVerifier` does, then runs 2 warm-up and N timed steps, each split into forward
+(drafter forward + `trainer.train.loss.dspark_loss`), backward and optimizer (grad-norm clip to 1.0, step, zero_grad)
+with `trainer.train.optim.MuonWithAdamW` (Muon on `muon_parameter_names`, float32 Newton-Schulz). `--impl ours` uses the
 objective matched to speculators (`confidence_target="sampled_restricted"`, `full_vocab_metrics=False`);
 `--impl ours-default` the package's default objective (full-vocabulary metrics included). Writes a JSON report
 (see `benchmarks.common.train_steps`).
@@ -164,8 +164,8 @@ def make_inputs(out: Path, quick: bool) -> dict:
 
     from configuration_dspark import DSparkConfig
     from modeling_dspark import DSparkDraftModel, positions_from_document_ids
-    from trainer.hidden_states import InProcessVerifier
-    from trainer.objective import block_supervision
+    from trainer.states.in_process import InProcessVerifier
+    from trainer.train.anchors import block_supervision
 
     s = spec(quick)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,9 +218,10 @@ def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps
     from transformers import AutoModelForCausalLM
 
     from modeling_dspark import DSparkDraftModel
-    from trainer.hidden_states import InProcessVerifier
-    from trainer.objective import block_supervision, dspark_loss
-    from trainer.optim import MuonWithAdamW, muon_parameter_names
+    from trainer.states.in_process import InProcessVerifier
+    from trainer.train.anchors import block_supervision
+    from trainer.train.loss import dspark_loss
+    from trainer.train.optim import MuonWithAdamW, muon_parameter_names
 
     start = time.perf_counter()
     meta, t = load_inputs(inputs, config)
@@ -262,7 +263,7 @@ def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps
     result = {
         "impl": impl, "config": config, "quick": meta["quick"], "inputs": c, "supervised_slots": supervised,
         "objective": dataclasses.asdict(objective), "load_s": load_s,
-        "optimizer": {"muon": "trainer.optim.DtypeMuon (float32 Newton-Schulz)", "lr": LEARNING_RATE,
+        "optimizer": {"muon": "trainer.train.optim.DtypeMuon (float32 Newton-Schulz)", "lr": LEARNING_RATE,
                       "weight_decay": WEIGHT_DECAY, "muon_weight_decay": MUON_WEIGHT_DECAY,
                       "momentum": MUON_MOMENTUM, "max_grad_norm": MAX_GRAD_NORM,
                       "muon_params": len(muon_parameter_names(drafter))},

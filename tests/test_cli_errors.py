@@ -95,8 +95,8 @@ def test_paths_and_the_verifier_config_are_checked_before_loading(chat_verifier_
 
 def test_a_fresh_run_never_replaces_a_previous_one(chat_verifier_dir, chat_data_file, tmp_path, capsys,
                                                    no_heavy_loading):
-    from trainer.checkpoints import COMPLETE_MARKER, SUMMARY_FILE
     from trainer.run import main
+    from trainer.train.checkpoints import COMPLETE_MARKER, SUMMARY_FILE
 
     out = tmp_path / "out"
     (out / "checkpoint-4").mkdir(parents=True)
@@ -111,7 +111,7 @@ def test_a_fresh_run_never_replaces_a_previous_one(chat_verifier_dir, chat_data_
 
 
 def test_overwrite_clears_only_what_a_run_wrote(tmp_path):
-    from trainer.checkpoints import BEST_LINK, SUMMARY_FILE, clear_run
+    from trainer.train.checkpoints import BEST_LINK, SUMMARY_FILE, clear_run
 
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "incomplete-checkpoint-3").mkdir()
@@ -127,7 +127,7 @@ def test_overwrite_clears_only_what_a_run_wrote(tmp_path):
 
 # ------------------------------------------------------------------------------------------ rotation
 def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:
-    from trainer.checkpoints import COMPLETE_MARKER
+    from trainer.train.checkpoints import COMPLETE_MARKER
 
     path = root / f"checkpoint-{step}"
     path.mkdir()
@@ -137,7 +137,7 @@ def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:
 
 
 def test_rotation_keeps_the_limit_the_best_and_the_newest(tmp_path):
-    from trainer.checkpoints import BEST_LINK, rotate_checkpoints, update_best_link
+    from trainer.train.checkpoints import BEST_LINK, rotate_checkpoints, update_best_link
 
     for step in (2, 4, 6, 8):
         _checkpoint(tmp_path, step)
@@ -153,7 +153,7 @@ def test_rotation_keeps_the_limit_the_best_and_the_newest(tmp_path):
 
 
 def test_rotation_never_counts_an_incomplete_checkpoint_as_the_newest(tmp_path):
-    from trainer.checkpoints import latest_checkpoint, rotate_checkpoints
+    from trainer.train.checkpoints import latest_checkpoint, rotate_checkpoints
 
     for step in (2, 4):
         _checkpoint(tmp_path, step)
@@ -163,7 +163,7 @@ def test_rotation_never_counts_an_incomplete_checkpoint_as_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
 
 
-# ------------------------------------------------------------------------------------------ trainer.acceptance
+# ------------------------------------------------------------------------------------------ trainer.evaluation.in_process
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory, qwen3_verifier):
     from tiny import tiny_drafter
@@ -176,7 +176,7 @@ def drafter_dir(tmp_path_factory, qwen3_verifier):
 def test_acceptance_refuses_before_loading_models(drafter_dir, chat_verifier_dir, qwen3_verifier, tmp_path, capsys,
                                                   monkeypatch):
     import modeling_dspark
-    from trainer.acceptance import main
+    from trainer.evaluation.in_process import main
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the refusal must come before the drafter's weights are loaded")
@@ -201,8 +201,8 @@ def test_acceptance_refuses_before_loading_models(drafter_dir, chat_verifier_dir
 
 
 def test_prompt_files_name_the_file_and_line(tmp_path):
-    from trainer.acceptance import load_prompt_sets
     from trainer.errors import UsageError
+    from trainer.evaluation.prompts import load_prompt_sets
 
     (tmp_path / "qa.jsonl").write_text('{"prompt": "a?"}\n{"question": "b?"}\n')
     with pytest.raises(UsageError, match=r"qa.jsonl line 2 has no string `prompt` field \(found \['question'\]\)"):
@@ -221,9 +221,9 @@ def test_prompt_files_name_the_file_and_line(tmp_path):
 def test_a_long_bad_line_is_quoted_as_a_short_excerpt(tmp_path, capsys):
     """A truncated 2,000-character last line (a writer killed mid-row) is named by file and line and quoted only
     as a short excerpt, so the one error line stays readable."""
-    from trainer.data_files import scan_json_files
+    from trainer.data.files import scan_json_files
+    from trainer.data.regenerate import main
     from trainer.errors import UsageError
-    from trainer.regenerate import main
 
     cut = json.dumps({"prompt": "x" * 3000})[:2000]
     prompts = tmp_path / "prompts.jsonl"
@@ -248,7 +248,7 @@ def test_push_refuses_a_truncated_weight_file(drafter_dir, tmp_path, capsys):
     import shutil
 
     import push_to_hub
-    from trainer.checkpoints import mark_complete
+    from trainer.train.checkpoints import mark_complete
 
     checkpoint = tmp_path / "checkpoint-3"
     shutil.copytree(drafter_dir, checkpoint)
@@ -282,44 +282,44 @@ EVERY_CLI = [
      "train.max_steps: expected a number, got 'abc'"),
     ("trainer/run.py", "bad value", ["--verifier", "x", "--train_data", "y", "--learning_rate", "0"],
      "train.learning_rate is 0.0, but it must be > 0"),
-    ("trainer.acceptance", "unknown flag", ["--drafter", "d", "--out", "r.json", "--no-such-flag"], UNKNOWN),
-    ("trainer.acceptance", "missing argument", ["--out", "r.json"], REQUIRED + "--drafter"),
-    ("trainer.acceptance", "missing file", ["--drafter", "./no-such-drafter", "--out", "r.json"],
+    ("trainer.evaluation.in_process", "unknown flag", ["--drafter", "d", "--out", "r.json", "--no-such-flag"], UNKNOWN),
+    ("trainer.evaluation.in_process", "missing argument", ["--out", "r.json"], REQUIRED + "--drafter"),
+    ("trainer.evaluation.in_process", "missing file", ["--drafter", "./no-such-drafter", "--out", "r.json"],
      "drafter directory ./no-such-drafter does not exist"),
-    ("trainer.acceptance", "wrong type", ["--drafter", "d", "--out", "r.json", "--max-prompts", "abc"],
+    ("trainer.evaluation.in_process", "wrong type", ["--drafter", "d", "--out", "r.json", "--max-prompts", "abc"],
      "argument --max-prompts: " + NOT_INT),
-    ("trainer.regenerate", "unknown flag", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
+    ("trainer.data.regenerate", "unknown flag", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
                                             "--no-such-flag"], UNKNOWN),
-    ("trainer.regenerate", "missing argument", ["--verifier", "v", "--out", "o.jsonl"], REQUIRED + "--prompts"),
-    ("trainer.regenerate", "missing file", ["--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl",
+    ("trainer.data.regenerate", "missing argument", ["--verifier", "v", "--out", "o.jsonl"], REQUIRED + "--prompts"),
+    ("trainer.data.regenerate", "missing file", ["--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl",
                                             "--out", "o.jsonl"], "prompt file ./no-such.jsonl does not exist"),
-    ("trainer.regenerate", "wrong type", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
+    ("trainer.data.regenerate", "wrong type", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
                                           "--batch-size", "abc"], "argument --batch-size: " + NOT_INT),
-    ("trainer.vllm_eval", "unknown flag", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--no-such-flag"],
+    ("trainer.evaluation.vllm", "unknown flag", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--no-such-flag"],
      UNKNOWN),
-    ("trainer.vllm_eval", "missing argument", ["--out", "r.json"], REQUIRED + "--server"),
-    ("trainer.vllm_eval", "missing file", ["--server", "http://127.0.0.1:1", "--prompts", "./no-such-prompts",
+    ("trainer.evaluation.vllm", "missing argument", ["--out", "r.json"], REQUIRED + "--server"),
+    ("trainer.evaluation.vllm", "missing file", ["--server", "http://127.0.0.1:1", "--prompts", "./no-such-prompts",
                                            "--out", "r.json"], "prompt directory ./no-such-prompts does not exist"),
-    ("trainer.vllm_eval", "wrong type", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--max-prompts",
+    ("trainer.evaluation.vllm", "wrong type", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--max-prompts",
                                          "abc"], "argument --max-prompts: " + NOT_INT),
-    # trainer.states_cache parses its own four flags and passes the rest to the run config
-    ("trainer.states_cache", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
+    # trainer.states.offline_format parses its own four flags and passes the rest to the run config
+    ("trainer.states.offline_format", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
      "unknown option --no_such_flag"),
-    ("trainer.states_cache", "missing argument", [], "no --cache_dir was given"),
-    ("trainer.states_cache", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
+    ("trainer.states.offline_format", "missing argument", [], "no --cache_dir was given"),
+    ("trainer.states.offline_format", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
      "config file nope.yaml does not exist"),
-    ("trainer.states_cache", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
+    ("trainer.states.offline_format", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
      "--shard_tokens abc is not an integer"),
-    # trainer.vllm_server: flags it does not know are run config overrides
-    ("trainer.vllm_server", "unknown flag", ["--config", CONFIG, "--no_such_flag", "1"],
+    # trainer.serving.server: flags it does not know are run config overrides
+    ("trainer.serving.server", "unknown flag", ["--config", CONFIG, "--no_such_flag", "1"],
      "unknown option --no_such_flag"),
-    ("trainer.vllm_server", "missing argument", [], REQUIRED + "--config"),
-    ("trainer.vllm_server", "missing file", ["--config", "nope.yaml"], "config file nope.yaml does not exist"),
-    ("trainer.vllm_server", "wrong type", ["--config", CONFIG, "--port", "abc"], "argument --port: " + NOT_INT),
-    # trainer.small_models: no missing file (a name that is not registered is passed on unchanged, as a Hub id
+    ("trainer.serving.server", "missing argument", [], REQUIRED + "--config"),
+    ("trainer.serving.server", "missing file", ["--config", "nope.yaml"], "config file nope.yaml does not exist"),
+    ("trainer.serving.server", "wrong type", ["--config", CONFIG, "--port", "abc"], "argument --port: " + NOT_INT),
+    # trainer.verifier.small_models: no missing file (a name that is not registered is passed on unchanged, as a Hub id
     # or a directory for the caller to check) and no typed flag
-    ("trainer.small_models", "unknown flag", ["x", "--no-such-flag"], UNKNOWN),
-    ("trainer.small_models", "missing argument", [], REQUIRED + "names"),
+    ("trainer.verifier.small_models", "unknown flag", ["x", "--no-such-flag"], UNKNOWN),
+    ("trainer.verifier.small_models", "missing argument", [], REQUIRED + "names"),
     # push_to_hub.py: no typed flag; the closest is a malformed --repo-id
     ("push_to_hub.py", "unknown flag", ["--checkpoint", "c", "--repo-id", "me/x", "--no-such-flag"], UNKNOWN),
     ("push_to_hub.py", "missing argument", ["--repo-id", "me/x"], REQUIRED + "--checkpoint"),

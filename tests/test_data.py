@@ -10,17 +10,14 @@ import datasets
 import pytest
 import torch
 
-from trainer.data import (
-    DSparkCollator,
-    PackedDataset,
+from trainer.data.load import load_chat_dataset
+from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations, supervised_token_counts
+from trainer.data.render import (
     PrepStats,
-    load_chat_dataset,
     normalize_messages,
-    pack_conversations,
     prepare_conversations,
     render_conversation,
     split_train_validation,
-    supervised_token_counts,
 )
 from trainer.errors import UsageError, run_cli
 
@@ -345,7 +342,7 @@ def test_one_bad_line_in_200_is_skipped_counted_and_logged_once(tmp_path, datase
     lines = chat_lines(200)
     lines[100] = '{"messages": [{"role": "user", "content": "q"}' + "'"  # line 101
     path = write_lines(tmp_path / "chat.jsonl", lines)
-    with caplog.at_level("WARNING", logger="trainer.data"):
+    with caplog.at_level("WARNING", logger="trainer.data.render"):
         ds = load_chat_dataset(str(path))
     assert len(ds) == 199
     expected = [r["messages"][0]["content"] for i, r in enumerate(chat_rows(200)) if i != 100]
@@ -395,7 +392,7 @@ def test_bad_line_share_is_over_all_files_of_the_load(tmp_path, datasets_cache):
 def test_truncated_last_line(tmp_path, datasets_cache, caplog):
     lines = chat_lines(200)
     path = write_lines(tmp_path / "cut.jsonl", [*lines, lines[0][:40]], end="")
-    with caplog.at_level("WARNING", logger="trainer.data"):
+    with caplog.at_level("WARNING", logger="trainer.data.render"):
         assert len(load_chat_dataset(str(path))) == 200
     assert f"data file {path} line 201 is truncated (the file ends inside a JSON value" in caplog.text
     small = write_lines(tmp_path / "small.jsonl", [*lines[:5], lines[0][:40]], end="")

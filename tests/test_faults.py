@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from trainer.checkpoints import RUN_LOCK_FILE, CheckpointError, RunLock, is_complete, latest_checkpoint
 from trainer.errors import UsageError
+from trainer.train.checkpoints import RUN_LOCK_FILE, CheckpointError, RunLock, is_complete, latest_checkpoint
 
 pytestmark = pytest.mark.faults
 TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -141,7 +141,7 @@ def fault_env(tmp_path: Path, spec: str) -> dict:
 def assert_loadable_checkpoint(path: Path) -> None:
     """A checkpoint that a user could resume, export or serve: the marker, a readable config and weights."""
     from modeling_dspark import DSparkDraftModel
-    from trainer.servable import check_folder
+    from trainer.export.contract import check_folder
 
     assert is_complete(str(path)), path
     check_folder(path)
@@ -248,7 +248,7 @@ def calibrated(chat_verifier_dir, chat_data_file, tmp_path_factory) -> Path:
 
 def assert_calibrated_like(out: Path, reference: Path) -> None:
     """Both the final drafter and checkpoint-best carry the fold, in their weights, equal to the reference run's."""
-    from trainer.calibration import applied_fold
+    from trainer.train.calibration import applied_fold
 
     best = (out / "checkpoint-best").resolve()
     assert best.name == (reference / "checkpoint-best").resolve().name
@@ -262,7 +262,7 @@ def assert_calibrated_like(out: Path, reference: Path) -> None:
 
 def test_kill_9_during_calibrations_fold_into_checkpoint_best(chat_verifier_dir, chat_data_file, tmp_path,
                                                               calibrated):
-    from trainer.calibration import applied_fold
+    from trainer.train.calibration import applied_fold
 
     out = tmp_path / "out"
     proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), tmp_path / "killed.log",
@@ -281,10 +281,10 @@ def test_kill_9_between_the_folded_weights_and_the_calibration_record(chat_verif
                                                                      calibrated):
     """checkpoint-best's weights are folded but its record is not written yet: the fold is read from the weights
     file itself, so the rerun, resuming from that checkpoint, unfolds it instead of training on a folded head."""
-    from trainer.calibration import applied_fold
+    from trainer.train.calibration import applied_fold
 
     out = tmp_path / "out"
-    env = fault_env(tmp_path, "trainer.checkpoints:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
+    env = fault_env(tmp_path, "trainer.train.checkpoints:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
     proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), tmp_path / "killed.log", env=env)
     wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the record")
     os.killpg(proc.pid, signal.SIGKILL)
@@ -321,7 +321,7 @@ def resume_calibrated(chat_verifier_dir, chat_data_file, out: Path, log: Path) -
 
 # ------------------------------------------------------------------------------------------ the offline cache
 def cache_args(verifier, data, cache_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.states_cache", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
+    return [sys.executable, "-m", "trainer.states.offline_format", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
             "--verifier", verifier, "--train_data", data, "--max_seq_length", "128", "--total_seq_length", "256"]
 
 
@@ -342,7 +342,7 @@ def complete_cache(chat_verifier_dir, chat_data_file, tmp_path_factory) -> Path:
 
 
 def assert_same_cache(ours: Path, reference: Path) -> None:
-    from trainer.states_cache import StatesCache
+    from trainer.states.offline import StatesCache
 
     StatesCache(str(ours))  # complete and readable
     a, b = cache_tensors(ours), cache_tensors(reference)
@@ -353,7 +353,8 @@ def assert_same_cache(ours: Path, reference: Path) -> None:
 
 
 def test_kill_9_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp_path, complete_cache):
-    from trainer.states_cache import COMPLETE_FILE, StatesCache
+    from trainer.states.offline import StatesCache
+    from trainer.states.offline_format import COMPLETE_FILE
 
     cache_dir = tmp_path / "states"
     proc = start(cache_args(chat_verifier_dir, chat_data_file, cache_dir), tmp_path / "killed.log",
@@ -381,7 +382,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
     import errno
     import io
 
-    import trainer.states_cache as states_cache
+    import trainer.states.offline_format as states_cache
     from trainer.errors import run_cli
 
     class FillingFile(io.FileIO):
@@ -420,7 +421,7 @@ def push_args(checkpoint: Path, out: Path) -> list[str]:
 
 def assert_exported(out: Path) -> None:
     from modeling_dspark import DSparkDraftModel
-    from trainer.servable import check_folder
+    from trainer.export.contract import check_folder
 
     check_folder(out)
     DSparkDraftModel.from_pretrained(str(out))
@@ -453,9 +454,9 @@ def test_kill_9_and_a_full_disk_during_push_staging(calibrated, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ regeneration
-# `python -m trainer.regenerate` runs the module as __main__, which the fault hook cannot patch before it runs;
+# `python -m trainer.data.regenerate` runs the module as __main__, which the fault hook cannot patch before it runs;
 # this is the same entry point (its `if __name__ == "__main__"` line) under its importable name.
-REGENERATE = "import sys; from trainer.errors import run_cli; from trainer.regenerate import main; sys.exit(run_cli(main))"
+REGENERATE = "import sys; from trainer.errors import run_cli; from trainer.data.regenerate import main; sys.exit(run_cli(main))"
 
 
 def regenerate_args(verifier: str, prompts: Path, out: Path) -> list[str]:
@@ -474,7 +475,7 @@ def test_kill_9_during_a_regeneration_run(chat_verifier_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out.jsonl"
     proc = start(regenerate_args(chat_verifier_dir, prompts, out), tmp_path / "killed.log",
-                 env=fault_env(tmp_path, "trainer.regenerate:OrderedWriter._write:#3:pause"))
+                 env=fault_env(tmp_path, "trainer.data.replies:OrderedWriter._write:#3:pause"))
     wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the third row")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tiny import VOCAB, tiny_drafter, tiny_gemma4_verifier, tiny_qwen3_verifier
-from trainer.acceptance import FidelityWarning, evaluate_in_process, step_anchors, teacher_forced_acceptance
+from trainer.evaluation.in_process import FidelityWarning, evaluate_in_process, step_anchors, teacher_forced_acceptance
 
 
 def bigram_drafter(verifier, references: list[list[int]], keep: float = 0.7, seed: int = 0, scale: float = 1000.0,

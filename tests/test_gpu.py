@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 def _inputs(verifier, drafter, rows: int = 2, length: int = 96):
     from modeling_dspark import verifier_hidden_states
-    from trainer.objective import sample_anchors
+    from trainer.train.anchors import sample_anchors
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, drafter.config.vocab_size, (rows, length), generator=g).cuda()

@@ -4,7 +4,8 @@ import torch
 
 from modeling_dspark import positions_from_document_ids, verifier_hidden_states
 from tiny import VOCAB
-from trainer.hidden_states import CachedStates, InProcessVerifier
+from trainer.states.in_process import InProcessVerifier
+from trainer.states.memory import CachedStates
 
 
 def packed(seed=0):
@@ -65,8 +66,8 @@ def test_verifier_shell_holds_exactly_the_embedding_norm_and_head(verifier, tmp_
     """The trainer's verifier when states come from servers or a cache: the tensors the drafter and the teacher
     read are the checkpoint's, everything else stays on meta (Gemma 4's composite layout and tied head too)."""
     from modeling_dspark import verifier_decoder
-    from trainer.hidden_states import verifier_teacher
-    from trainer.verifier import load_verifier_shell
+    from trainer.verifier.loading import load_verifier_shell
+    from trainer.verifier.teacher import verifier_teacher
 
     verifier.save_pretrained(tmp_path)
     shell = load_verifier_shell(str(tmp_path), "float32", "cpu")

@@ -186,7 +186,7 @@ def test_only_the_drafters_own_weights_train_whatever_the_entry_point(tmp_path, 
 
 
 def test_under_lora_only_the_adapters_train(gemma4_verifier):
-    from trainer.adapters import add_lora
+    from trainer.train.adapters import add_lora
 
     drafter = tiny_drafter(gemma4_verifier)
     targets = ["q_proj", "v_proj", "down_proj"]

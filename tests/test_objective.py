@@ -12,16 +12,10 @@ import torch.nn.functional as F
 
 from modeling_dspark import positions_from_document_ids, verifier_decoder, verifier_hidden_states
 from tiny import VOCAB, tiny_drafter
-from trainer.objective import (
-    ObjectiveConfig,
-    Teacher,
-    anchor_candidates,
-    block_supervision,
-    dspark_loss,
-    needs_full_vocabulary,
-    reduce_stats,
-    sample_anchors,
-)
+from trainer.train.anchors import anchor_candidates, block_supervision, sample_anchors
+from trainer.train.loss import ObjectiveConfig, dspark_loss, needs_full_vocabulary
+from trainer.train.stats import reduce_stats
+from trainer.verifier.teacher import Teacher
 
 DOCS = torch.tensor([[0] * 10 + [1] * 12 + [-1] * 4, [0] * 5 + [1] * 7 + [2] * 14])
 MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 1, 1] + [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1] + [0] * 4,
@@ -338,7 +332,7 @@ def test_a_full_vocabulary_drafter_needs_no_second_head(gemma4_verifier):
 
 
 def test_the_in_process_teacher_shares_the_verifiers_full_head(gemma4_verifier):
-    from trainer.hidden_states import InProcessVerifier
+    from trainer.states.in_process import InProcessVerifier
 
     teacher = InProcessVerifier(gemma4_verifier, [2, 3]).teacher()
     head = gemma4_verifier.get_output_embeddings().weight
@@ -381,7 +375,7 @@ import resource, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 from tiny import tiny_drafter
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from trainer.objective import ObjectiveConfig, Teacher, dspark_loss
+from trainer.train.loss import ObjectiveConfig, Teacher, dspark_loss
 from modeling_dspark import verifier_decoder
 torch.manual_seed(0)
 V = 262144

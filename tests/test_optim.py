@@ -8,7 +8,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from tiny import tiny_drafter
-from trainer.optim import (
+from trainer.train.optim import (
     DtypeMuon,
     MuonAdamWFactory,
     MuonWithAdamW,
@@ -47,7 +47,7 @@ def test_parameter_split_is_exactly_right(gemma4_verifier):
 
 
 def test_lora_matrices_go_to_adamw(gemma4_verifier):
-    from trainer.adapters import add_lora
+    from trainer.train.adapters import add_lora
 
     model = add_lora(tiny_drafter(gemma4_verifier), rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "o_proj"])
     assert muon_parameter_names(model) == []  # base weights are frozen; A/B adapters are AdamW's
@@ -262,7 +262,7 @@ def test_batched_newton_schulz_equals_torchs_iteration(shape):
     otherwise) against torch's iteration in float64, on Gaussian, ill-conditioned (singular values down to 1e-7)
     and rank-8 matrices. Measured worst cases: 2.2e-5 Gaussian, 2.0e-4 ill-conditioned for the Gram form, against
     ~2e-5 for the plain float32 iteration and ~1e-2 for torch.optim.Muon's bf16 one."""
-    from trainer.optim import _newton_schulz_flops, orthogonalize_batch
+    from trainer.train.optim import _newton_schulz_flops, orthogonalize_batch
 
     rows, cols = shape
     gen = torch.Generator().manual_seed(1)

@@ -19,14 +19,14 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from safetensors.torch import load_file, save_file
 
 import push_to_hub as ph
-from trainer import staging
-from trainer.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, resolve_checkpoint
 from trainer.config import RunConfig
-from trainer.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
-from trainer.results import read_results
+from trainer.evaluation.results import read_results
+from trainer.export import staging
+from trainer.export.contract import check_remote_code_load, check_serving_config, contract_tensors
+from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
+from trainer.export.staging import DELETE_PATTERNS, Staged, stage
 from trainer.run import train
-from trainer.servable import check_remote_code_load, check_serving_config, contract_tensors
-from trainer.staging import DELETE_PATTERNS, Staged, stage
+from trainer.train.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, resolve_checkpoint
 
 VERIFIER_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REPO = "me/tiny-dspark"
@@ -71,7 +71,7 @@ def results_json(block_size: int = 4, **overrides) -> dict:
                                "steps": 200, "prompts": 10, "tokens_per_s": 80.0, "baseline_tokens_per_s": 40.0,
                                "speedup": 2.0},
             "writing": {"acceptance_length": None, "pos": [None] * block_size, "steps": 0, "prompts": 2,
-                        "generated_tokens": 0},  # what trainer/acceptance.py writes for a subset without steps
+                        "generated_tokens": 0},  # what trainer/evaluation/in_process.py writes for a subset without steps
         },
         "weighted_acceptance_length": 2.15, "unweighted_acceptance_length": 2.0667, "total_steps": 600,
         "other_drafters": {"MTP (x/y-assistant)": {"math_reasoning": {"acceptance_length": 2.5, "tokens_per_s": 70.0},
@@ -525,8 +525,8 @@ def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_file
 def test_card_names_the_serving_options_the_drafter_was_trained_for(tmp_path):
     """Block size, the drafting mode of the confidence target, adaptive verification (calibrated or not) and, for
     Gemma 4 verifiers, the fast-prefill caveat all come from the checkpoint's own records."""
-    from trainer.checkpoints import CALIBRATION_FILE
-    from trainer.model_card import _CALIBRATION_KEYS, serving_options
+    from trainer.export.card_sections import _CALIBRATION_KEYS, serving_options
+    from trainer.train.checkpoints import CALIBRATION_FILE
 
     config = {"block_size": 8, "enable_confidence_head": True, "verifier_text_config": {"model_type": "gemma4_text"}}
     inputs = SimpleNamespace(config=config, checkpoint=SimpleNamespace(path=tmp_path),

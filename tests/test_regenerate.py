@@ -12,17 +12,10 @@ import torch
 from stand_in import StandIn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.data.regenerate import main, regenerate
+from trainer.data.replies import OrderedWriter, conversation_record, conversation_turns, request_seed, turn_messages
 from trainer.errors import DSparkError, UsageError, run_cli
-from trainer.regenerate import (
-    OrderedWriter,
-    conversation_record,
-    conversation_turns,
-    main,
-    regenerate,
-    request_seed,
-    turn_messages,
-)
-from trainer.vllm_http import VLLMServerError
+from trainer.serving.http import VLLMServerError
 
 
 def user(text):

@@ -19,9 +19,9 @@ from stand_in import StandIn
 
 from trainer.config import RunConfig
 from trainer.errors import UsageError, run_cli
-from trainer.objective import Teacher
-from trainer.vllm_http import VLLMServerError, checked_url, request_json
-from trainer.vllm_states import VLLMStatesError, VLLMStateSource
+from trainer.serving.http import VLLMServerError, checked_url, request_json
+from trainer.states.vllm import VLLMStatesError, VLLMStateSource
+from trainer.verifier.teacher import Teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_SECRETtoken0123456789abcdef"
@@ -63,7 +63,7 @@ def answering(path: str):
 @pytest.fixture
 def opened(monkeypatch):
     """Every path the states source opens, loads or deletes (its module's `open`, `load_file`, `os.remove`)."""
-    import trainer.vllm_states as vs
+    import trainer.states.vllm as vs
 
     seen = []
     real_open, real_load, real_remove = open, vs.load_file, os.remove
@@ -138,7 +138,7 @@ def test_the_refusal_names_the_server_and_the_fix(tmp_path, stand_in):
     assert str(refused.value) == (
         f"the vLLM server {server.url} named the hidden-states file '../x.safetensors', which is not a "
         f"`<request id>.safetensors` file of its states directory, so it is neither read nor deleted; point "
-        f"train.vllm_urls at a server of this run (start it with the command `python -m trainer.vllm_server "
+        f"train.vllm_urls at a server of this run (start it with the command `python -m trainer.serving.server "
         f"--config <run config>` prints).")
     server = stand_in(answering("/server/mount/cmpl-link-0.safetensors"))
     with pytest.raises(VLLMStatesError, match=rf"^the hidden-states file {hs}/cmpl-link-0.safetensors that the vLLM "
@@ -199,8 +199,8 @@ def remote_code_verifier(chat_verifier_dir, tmp_path):
 def test_a_verifier_is_loaded_without_ever_trusting_its_remote_code(remote_code_verifier, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    import trainer.verifier as tv
-    from trainer.regenerate import TransformersGenerator
+    import trainer.verifier.loading as tv
+    from trainer.data.generators import TransformersGenerator
 
     directory, marker = remote_code_verifier
     calls = []
@@ -220,7 +220,7 @@ def test_a_verifier_is_loaded_without_ever_trusting_its_remote_code(remote_code_
 
 
 def test_the_vllm_server_command_does_not_trust_remote_code(chat_verifier_dir, tmp_path):
-    from trainer.vllm_server import spec_for_config
+    from trainer.serving.server import spec_for_config
 
     config = RunConfig.load(None, ["--verifier", chat_verifier_dir, "--train_data", "x.jsonl",
                                    "--aux_hidden_state_layer_ids", "[1, 2]"])
@@ -233,7 +233,7 @@ def package_files() -> list[Path]:
     """The package's own Python files (root modules, trainer/, scripts/, benchmarks/), as git tracks them."""
     listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
     files = [ROOT / f for f in listed.stdout.split() if not f.startswith("tests/")]
-    assert ROOT / "push_to_hub.py" in files and ROOT / "trainer" / "verifier.py" in files
+    assert ROOT / "push_to_hub.py" in files and ROOT / "trainer" / "verifier" / "loading.py" in files
     return files
 
 
@@ -333,7 +333,7 @@ def test_no_token_reaches_the_vllm_server_or_the_states_clients_messages(token_e
 
 def test_no_token_reaches_the_vllm_server_or_the_regeneration_clients_messages(token_everywhere, tmp_path, stand_in,
                                                                                caplog, capsys):
-    from trainer.regenerate import regenerate
+    from trainer.data.regenerate import regenerate
 
     caplog.set_level(logging.DEBUG)
     caplog.set_level(logging.DEBUG, logger="dspark")
@@ -358,7 +358,8 @@ def test_no_token_reaches_the_vllm_server_or_the_regeneration_clients_messages(t
 @pytest.mark.parametrize("url", [f"http://user:{SECRET}@127.0.0.1:9", f"https://{SECRET}@vllm.internal:8000/v1",
                                  f"user:{SECRET}@127.0.0.1:9"])
 def test_a_url_with_credentials_is_refused_without_printing_them(url, tmp_path, capsys):
-    from trainer.regenerate import VLLMChatClient, main
+    from trainer.data.generators import VLLMChatClient
+    from trainer.data.regenerate import main
 
     for attempt in (lambda: checked_url(url), lambda: request_json(url, "/v1/models", timeout=5),
                     lambda: states_source(tmp_path, url), lambda: VLLMChatClient(url, "demo/model")):

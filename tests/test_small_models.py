@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import small_models
-from trainer.small_models import MARKER_FILE, REGISTRY, SmallModel, converted_path, resolve_model
+from trainer.verifier import small_models
+from trainer.verifier.small_models import MARKER_FILE, REGISTRY, SmallModel, converted_path, resolve_model
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_concurrent_resolves_convert_once_and_atomically(tmp_path, monkeypatch):
 
 def test_cli_prints_the_resolved_path(smollm2_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "trainer.small_models", SMOLLM2],
+        [sys.executable, "-m", "trainer.verifier.small_models", SMOLLM2],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -11,18 +11,14 @@ import pytest
 import torch
 
 from tiny import VOCAB
-from trainer import states_cache
-from trainer.data import DSparkCollator
+from trainer.data.packing import DSparkCollator
 from trainer.errors import DSparkError, UsageError, run_cli
-from trainer.hidden_states import InProcessVerifier, document_key
-from trainer.states_cache import (
-    COMPLETE_FILE,
-    PLAN_FILE,
-    HybridSource,
-    MissingStatesError,
-    StatesCache,
-    write_cache,
-)
+from trainer.states import offline_format as states_cache
+from trainer.states.hybrid import HybridSource
+from trainer.states.in_process import InProcessVerifier
+from trainer.states.offline import MissingStatesError, StatesCache, write_cache
+from trainer.states.offline_format import COMPLETE_FILE, PLAN_FILE
+from trainer.states.source import document_key
 
 AUX = [1, 3]
 
@@ -248,9 +244,9 @@ def test_command_caches_every_document_training_asks_for(chat_verifier_dir, chat
     from transformers import AutoTokenizer
 
     from trainer.config import RunConfig
-    from trainer.data import PackedDataset, pack_conversations
-    from trainer.run import prepare_data
-    from trainer.verifier import load_verifier
+    from trainer.data.packing import PackedDataset, pack_conversations
+    from trainer.data.prepare import prepare_data
+    from trainer.verifier.loading import load_verifier
 
     overrides = ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--max_seq_length", "128",
                  "--total_seq_length", "256", "--validation_ratio", "0.1", "--aux_hidden_state_layer_ids", "[1,2]"]

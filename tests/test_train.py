@@ -13,9 +13,9 @@ from conftest import assert_ranks_trained_in_sync
 from safetensors.torch import load_file
 from transformers import AutoModel
 
-from trainer.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, SUMMARY_FILE
 from trainer.config import RunConfig
 from trainer.run import train
+from trainer.train.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, SUMMARY_FILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -79,7 +79,7 @@ def test_resume_continues_the_same_schedule(chat_verifier_dir, chat_data_file, t
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "checkpoint-6", resumed / "checkpoint-6")
     if not (resumed / "checkpoint-6" / CALIBRATION_FILE).exists():  # calibrate it, as if it were the best one
-        from trainer.calibration import HEAD_BIAS, HEAD_WEIGHT, fold, write_folded_head, write_record
+        from trainer.train.calibration import HEAD_BIAS, HEAD_WEIGHT, fold, write_folded_head, write_record
 
         weights = load_file(resumed / "checkpoint-6" / "model.safetensors")
         head = dict(zip((HEAD_WEIGHT, HEAD_BIAS), fold(weights[HEAD_WEIGHT], weights[HEAD_BIAS], 1.5, -0.7)))
@@ -129,7 +129,7 @@ def test_resume_diff_covers_every_drafter_key_but_the_runtime_ones():
     """The resume check is a diff of the whole drafter config: a layer field nobody listed is caught, while the
     keys declared runtime-only (versions, the local verifier path, the Hub id) are not."""
     from configuration_dspark import RUNTIME_ONLY_KEYS
-    from trainer.checkpoints import config_diff
+    from trainer.train.checkpoints import config_diff
 
     saved = {"block_size": 4, "transformers_version": "5.0", "verifier_local_path": "/a",
              "transformer_layer_config": {"rms_norm_eps": 1e-6, "hidden_size": 64},
@@ -147,7 +147,7 @@ def test_resume_diff_covers_every_drafter_key_but_the_runtime_ones():
 def test_init_from_adopts_the_drafters_block_size(chat_verifier_dir, chat_data_file, tmp_path):
     """A block-4 drafter continued with a block-3 run config trains as block 4: the objective, the saved drafter
     and the saved run config all say 4 (the objective never trains slots the drafter does not have)."""
-    import trainer.dspark_trainer as dt
+    import trainer.train.trainer as dt
 
     base = tmp_path / "base"
     train(config(chat_verifier_dir, chat_data_file, base, "--max_steps", "2", "--eval_steps", "2",
@@ -175,7 +175,7 @@ def test_init_from_adopts_the_drafters_block_size(chat_verifier_dir, chat_data_f
 
 @pytest.mark.slow
 def test_non_finite_loss_stops_before_the_update(chat_verifier_dir, chat_data_file, tmp_path, monkeypatch):
-    import trainer.dspark_trainer as dt
+    import trainer.train.trainer as dt
 
     real = dt.dspark_loss
     calls = {"n": 0}

@@ -20,14 +20,16 @@ import torch
 from conftest import ROOT, assert_ranks_trained_in_sync, fp32_tolerance, vllm_python
 
 from trainer.config import RunConfig
-from trainer.data import DSparkCollator, PackedDataset, pack_conversations
-from trainer.hidden_states import InProcessVerifier, verifier_teacher
-from trainer.run import prepare_data, train
-from trainer.states_cache import StatesCache, write_cache
-from trainer.states_cache import main as cache_command
-from trainer.verifier import load_verifier, load_verifier_shell
-from trainer.vllm_server import ServerProcess, free_port, spec_for_config
-from trainer.vllm_states import VLLMStatesError, VLLMStateSource, read_states_file, remove_states_file
+from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
+from trainer.data.prepare import prepare_data
+from trainer.run import train
+from trainer.serving.server import ServerProcess, free_port, spec_for_config
+from trainer.states.cache_cli import main as cache_command
+from trainer.states.in_process import InProcessVerifier
+from trainer.states.offline import StatesCache, write_cache
+from trainer.states.vllm import VLLMStatesError, VLLMStateSource, read_states_file, remove_states_file
+from trainer.verifier.loading import load_verifier, load_verifier_shell
+from trainer.verifier.teacher import verifier_teacher
 
 pytestmark = pytest.mark.vllm
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
@@ -182,7 +184,7 @@ def test_misconfigured_servers_are_reported_before_training(server, shell, tmp_p
         VLLMStateSource([server.url], server.states_dir, [2, 15, 26], 30, 576, verifier_teacher(shell),
                         server.served_name).check()
     # A server started some other way names no layers: the probe file's shape still catches another count.
-    from trainer import vllm_states
+    from trainer.states import vllm as vllm_states
 
     monkeypatch.setattr(vllm_states, "LAYERS_TAG", "no-such-name-")
     with pytest.raises(VLLMStatesError, match=r"extracts other layers than this run needs .*\[2, 15\]"):

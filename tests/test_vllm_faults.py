@@ -24,12 +24,12 @@ from conftest import ROOT, vllm_python
 from safetensors.torch import load_file, save_file
 from test_faults import assert_loadable_checkpoint, error_line, finish, start, wait_for
 
-from trainer.checkpoints import COMPLETE_MARKER, SUMMARY_FILE, latest_checkpoint
 from trainer.config import RunConfig
-from trainer.hidden_states import verifier_teacher
-from trainer.verifier import load_verifier_shell
-from trainer.vllm_server import ServerProcess, free_port, spec_for_config
-from trainer.vllm_states import STOP_HINT, VLLMStatesError, VLLMStateSource
+from trainer.serving.server import ServerProcess, free_port, spec_for_config
+from trainer.states.vllm import STOP_HINT, VLLMStatesError, VLLMStateSource
+from trainer.train.checkpoints import COMPLETE_MARKER, SUMMARY_FILE, latest_checkpoint
+from trainer.verifier.loading import load_verifier_shell
+from trainer.verifier.teacher import verifier_teacher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.faults]
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")

@@ -18,9 +18,9 @@ import torch
 from conftest import ROOT, assert_same_greedy_replies, vllm_python
 
 from trainer.config import RunConfig
-from trainer.regenerate import regenerate
-from trainer.vllm_http import VLLMServerError, request_json
-from trainer.vllm_server import ServerProcess, free_port, spec_for_config
+from trainer.data.regenerate import regenerate
+from trainer.serving.http import VLLMServerError, request_json
+from trainer.serving.server import ServerProcess, free_port, spec_for_config
 
 pytestmark = pytest.mark.vllm
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"

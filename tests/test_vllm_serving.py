@@ -17,12 +17,12 @@ import pytest
 from conftest import ROOT, vllm_python
 
 from trainer.config import RunConfig
-from trainer.results import read_results
+from trainer.evaluation.results import read_results
+from trainer.evaluation.vllm import main as vllm_eval
+from trainer.evaluation.vllm import spec_counters
 from trainer.run import train
-from trainer.vllm_eval import main as vllm_eval
-from trainer.vllm_eval import spec_counters
-from trainer.vllm_http import VLLMServerError
-from trainer.vllm_server import ServerProcess, free_port, spec_for_config
+from trainer.serving.http import VLLMServerError
+from trainer.serving.server import ServerProcess, free_port, spec_for_config
 
 pytestmark = pytest.mark.vllm
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
@@ -63,7 +63,7 @@ def servers(drafter, tmp_path_factory):
 
 
 def test_vllm_parses_our_checkpoint_as_dspark_with_every_field(drafter, tmp_path):
-    from trainer.small_models import resolve_model
+    from trainer.verifier.small_models import resolve_model
 
     started = time.perf_counter()
     proc = subprocess.run([vllm_python(), str(ROOT / "scripts" / "vllm_check_config.py"), drafter,
@@ -136,7 +136,7 @@ def test_another_drafter_server_is_compared_and_a_server_without_counters_is_rep
     # prefix-cache state) break the other way, which moves one step of the ~20 measured here.
     assert other["acceptance_length"] == pytest.approx(results["subsets"]["question"]["acceptance_length"], rel=0.2)
     # the model card renders the served measurement and its comparison table from this file
-    from trainer.model_card import _comparison, _heading
+    from trainer.export.card_sections import _comparison, _heading
 
     card = read_results(str(tmp_path / "cmp.json"), 3)
     assert _heading(card).startswith("Acceptance (vLLM") and "T = 0" in _heading(card)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from trainer.config import RunConfig
-from trainer.objective import Teacher
-from trainer.vllm_server import free_port, spec_for_config
-from trainer.vllm_states import BadStatesFile, VLLMStatesError, VLLMStateSource, read_states_file, urls_for_rank
+from trainer.serving.server import free_port, spec_for_config
+from trainer.states.vllm import BadStatesFile, VLLMStatesError, VLLMStateSource, read_states_file, urls_for_rank
+from trainer.verifier.teacher import Teacher
 
 
 def write_states(path, ids, layers=4, hidden=8, value=None):
@@ -79,7 +79,7 @@ def source(tmp_path, urls, **kwargs):
 
 def test_an_unreachable_server_is_named_before_training_and_stops_a_run_after_bounded_failures(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {url} is unreachable .*trainer.vllm_server"):
+    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {url} is unreachable .*trainer.serving.server"):
         source(tmp_path, [url]).check()
     # During training: each document gets 1 + retries attempts; max_failures consecutive ones stop the run.
     src = source(tmp_path, [url], retries=5, max_failures=3, backoff=0.01)
@@ -140,7 +140,7 @@ def test_server_command_extracts_the_runs_layers_plus_the_last(chat_verifier_dir
     assert layers["method"] == "extract_hidden_states"
     assert layers["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # 4 layers
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "trainer.vllm_cpu_connector"
+    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "trainer.serving.cpu_connector"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "hs")
     assert argv[argv.index("--max-model-len") + 1] == "301" and argv[argv.index("--dtype") + 1] == "float32"
     names = argv[argv.index("--served-model-name") + 1: argv.index("--host")]

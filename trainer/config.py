@@ -21,9 +21,37 @@ from dataclasses import dataclass, field
 import yaml
 
 from configuration_dspark import ARCHITECTURE_KEYS
-from trainer.checkpoints import RUN_CONFIG_FILE
 from trainer.errors import UsageError
-from trainer.objective import DEFAULT_CHUNK_ELEMENTS, DEFAULT_CONFIDENCE_TARGET, DEFAULT_TEACHER_VOCAB
+from trainer.train.checkpoints import RUN_CONFIG_FILE
+
+# The objective's choices and defaults: TrainArgs validates against them and the loss reads them.
+LOSS_NAMES = ("ce", "tv", "kl")
+
+
+# What the loss compares the draft with: "draft" = the verifier's distribution renormalised over the draft
+# vocabulary; "full" = the verifier's full-vocabulary probabilities of the draft tokens (not renormalised).
+TEACHER_VOCABS = ("draft", "full")
+
+
+DEFAULT_TEACHER_VOCAB = "draft"  # the one place the default lives (TrainArgs and ObjectiveConfig read it)
+
+
+# The acceptance probability the confidence head predicts, by how the server drafts (vLLM drafts greedily by
+# default, also when the verifier samples): "greedy" = p_full(argmax q) (verifier sampling), "greedy_t0" =
+# 1[argmax q == argmax p_full] (verifier greedy), "sampled" = sum_{Vd} min(p_full, q) (probabilistic drafting).
+# "sampled_restricted" = sum_{Vd} min(p_draft, q), the overlap with the teacher renormalised over the draft
+# vocabulary: speculators 0.9.0's target, and the only one that needs no pass over the verifier's full head.
+CONFIDENCE_TARGETS = ("greedy", "greedy_t0", "sampled", "sampled_restricted")
+
+
+DEFAULT_CONFIDENCE_TARGET = "greedy"
+
+
+# Logits elements per loss chunk (16 MiB in fp32): ~1/10 of a naive loss's memory at 4,096 slots and Vd = 32,000.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+
 
 SECTIONS = ("model", "data", "train")
 
@@ -143,9 +171,9 @@ class TrainArgs:
     verifier_max_tokens_per_forward: int = 16384
     cache_verifier_states_gb: float = 0.0  # > 0: keep each row's verifier states in memory across epochs (small runs)
     record_batches: bool = False  # write the rows each rank trains on to <output_dir>/batches-rank<r>.jsonl
-    # Where the verifier's hidden states come from (trainer/hidden_states.py): in_process (the verifier in every
-    # training process), vllm (servers started as `python -m trainer.vllm_server` prints, read online and deleted),
-    # cache (shards written by `python -m trainer.states_cache`), hybrid (the cache, else the servers).
+    # Where the verifier's hidden states come from (trainer/states/source.py): in_process (the verifier in every
+    # training process), vllm (servers started as `python -m trainer.serving.server` prints, read online and deleted),
+    # cache (shards written by `python -m trainer.states.offline_format`), hybrid (the cache, else the servers).
     hidden_states: str = "in_process"
     vllm_urls: list[str] = field(default_factory=list)  # e.g. [http://10.0.0.5:8000]; spread over, or one per rank
     vllm_states_dir: str | None = None  # the servers' shared_storage_path, as the trainer's machine sees it
@@ -300,11 +328,11 @@ class RunConfig:
             raise UsageError(f"train.hidden_states must be one of {', '.join(sources)} (got {t.hidden_states!r}).")
         if t.hidden_states in ("vllm", "hybrid") and not (t.vllm_urls and t.vllm_states_dir):
             raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.vllm_urls and "
-                             f"train.vllm_states_dir; start a server with `python -m trainer.vllm_server --config ...` "
+                             f"train.vllm_states_dir; start a server with `python -m trainer.serving.server --config ...` "
                              f"and pass its URL and hidden-states directory.")
         if t.hidden_states in ("cache", "hybrid") and not t.states_cache_dir:
             raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.states_cache_dir; build one "
-                             f"with `python -m trainer.states_cache --config ... --cache_dir DIR` and pass DIR.")
+                             f"with `python -m trainer.states.offline_format --config ... --cache_dir DIR` and pass DIR.")
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
@@ -320,7 +348,7 @@ class RunConfig:
 
     def objective(self, block_size: int | None = None):
         """The loss settings; `block_size` is the trained drafter's (the run config's before it exists)."""
-        from trainer.objective import ObjectiveConfig
+        from trainer.train.loss import ObjectiveConfig
 
         t = self.train
         return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
@@ -447,3 +475,20 @@ def _coerce(value, hint, where: str):
             raise UsageError(f"{where}: expected a mapping, got {value!r}.")
         return value
     return value
+
+
+
+def aux_layer_ids_for_config(config, verifier_config) -> list[int]:
+    """The aux ids a run extracts: `model.aux_hidden_state_layer_ids`, or the drafter's default for this verifier
+    (configuration_dspark), checked against its layer count. Shared by training, the cache writer and the
+    extraction server's command, so all three ask for the same layers."""
+    from configuration_dspark import check_aux_layer_ids, default_aux_layer_ids
+    from trainer.errors import UsageError
+
+    layers = verifier_config.get_text_config().num_hidden_layers
+    try:
+        ids = config.model.aux_hidden_state_layer_ids or default_aux_layer_ids(layers)
+        check_aux_layer_ids(list(ids), layers)
+    except ValueError as e:
+        raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
+    return list(ids)

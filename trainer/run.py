@@ -8,9 +8,11 @@ choose the draft vocabulary from the training split; load the frozen verifier in
 `init_from`) the drafter; train with `DSparkTrainer` (Muon + AdamW, cosine schedule, periodic evaluation
 of the teacher-forced acceptance, best checkpoint by `eval_accept_len`); save the final drafter into
 `output_dir`; calibrate the confidence head on the validation split and fold the calibration into the final
-drafter and the best checkpoint (trainer/calibration.py). The last log line reports the validation
+drafter and the best checkpoint (trainer/train/calibration.py). The last log line reports the validation
 `accept_len`.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import logging
@@ -19,28 +21,20 @@ import signal
 import sys
 import time
 
-if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-    sys.path.insert(0, _root)
-
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
 
 from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id  # noqa: E402
 from modeling_dspark import DSparkDraftModel  # noqa: E402
-from trainer.calibration import (  # noqa: E402
-    HEAD_BIAS,
-    HEAD_WEIGHT,
-    MIN_SLOPE,
-    calibration_record,
-    fit_logistic,
-    fold_head,
-    write_folded_head,
-    write_record,
-)
-from trainer.checkpoints import (  # noqa: E402
+from trainer.config import RunConfig  # noqa: E402
+from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
+from trainer.data.prepare import DATA_EXTENSIONS, check_enough_supervision, len_vocab, prepare_data
+from trainer.data.vocab import build_draft_vocab  # noqa: E402
+from trainer.errors import DSparkError, UsageError, is_disk_full, run_cli  # noqa: E402
+from trainer.states.build import build_source, close_source, source_report
+from trainer.train.calibration import HEAD_BIAS, HEAD_WEIGHT
+from trainer.train.checkpoints import (
     RunLock,
     check_output_dir,
     check_resume_compatible,
@@ -50,27 +44,28 @@ from trainer.checkpoints import (  # noqa: E402
     quarantine_incomplete,
     write_summary,
 )
-from trainer.config import RunConfig  # noqa: E402
-from trainer.data import (  # noqa: E402
-    DSparkCollator,
-    PackedDataset,
-    load_chat_dataset,
-    pack_conversations,
-    prepare_conversations,
-    split_train_validation,
+from trainer.train.optim import MuonAdamWFactory  # noqa: E402
+from trainer.train.trainer import (
+    DSparkTrainer,  # noqa: E402
+    args_barrier,
 )
-from trainer.dspark_trainer import DSparkTrainer  # noqa: E402
-from trainer.errors import DSparkError, UsageError, is_disk_full, run_cli  # noqa: E402
-from trainer.hidden_states import HiddenStateSource, InProcessVerifier, verifier_teacher  # noqa: E402
-from trainer.optim import MuonAdamWFactory  # noqa: E402
-from trainer.small_models import resolve_model  # noqa: E402
-from trainer.verifier import load_verifier, load_verifier_shell, resolve_pretrained  # noqa: E402
-from trainer.vllm_states import VLLMStateSource  # noqa: E402
-from trainer.vllm_states import source_for_config as vllm_source_for_config  # noqa: E402
-from trainer.vocab import build_draft_vocab  # noqa: E402
+from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_pretrained  # noqa: E402
+from trainer.verifier.small_models import resolve_model  # noqa: E402
+
+if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+    sys.path.insert(0, _root)
+from trainer.train.calibration import (
+    MIN_SLOPE,
+    calibration_record,
+    fit_logistic,
+    fold_head,
+    write_folded_head,
+    write_record,
+)
 
 logger = logging.getLogger("dspark")
-DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
 
 def parse_args(argv: list[str]) -> RunConfig:
@@ -188,7 +183,7 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     drafter.config._attn_implementation = attn
     model = drafter
     if m.lora_rank:
-        from trainer.adapters import add_lora
+        from trainer.train.adapters import add_lora
 
         model = add_lora(drafter, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -295,114 +290,12 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     return summary
 
 
-def prepare_data(config: RunConfig, tokenizer):
-    """Load, render, tokenise (cached) and split the chat data: `(train_set, validation_set, stats)`. The one
-    path from the data section to conversations, shared with the hidden-state cache writer
-    (trainer/states_cache.py) so the cache holds exactly the documents training will ask for."""
-    d = config.data
-    raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples,
-                            max_bad_line_ratio=d.max_bad_line_ratio)
-    tokenized, stats = prepare_conversations(raw, tokenizer, d.max_seq_length, num_proc=d.num_proc)
-    logger.info("data: %s", stats.summary())
-    train_set, validation_set = split_train_validation(tokenized, d.validation_ratio, d.split_seed)
-    return train_set, validation_set, stats
-
-
-def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: int = 0,
-                 world_size: int = 1) -> HiddenStateSource:
-    """The hidden-state source `train.hidden_states` names (trainer/hidden_states.py has the table). Online
-    sources are checked here, before any training step: servers up, serving this verifier, extracting these
-    layers into a directory this machine sees."""
-    t = config.train
-    if t.hidden_states == "in_process":
-        return InProcessVerifier(verifier, aux_layer_ids, max_tokens_per_forward=t.verifier_max_tokens_per_forward)
-    online = None
-    if t.hidden_states in ("vllm", "hybrid"):
-        online = vllm_source_for_config(config, verifier, aux_layer_ids, rank, world_size)
-        if t.hidden_states == "vllm":
-            return online
-    from trainer.states_cache import HybridSource, StatesCache
-
-    cache = StatesCache(t.states_cache_dir, teacher=verifier_teacher(verifier), aux_layer_ids=aux_layer_ids)
-    return cache if online is None else HybridSource(cache, online)
-
-
-def source_report(source: HiddenStateSource) -> dict:
-    """What the summary records of where the states came from (the hybrid's shares, the servers' counters)."""
-    report = {"source": type(source).__name__}
-    if hasattr(source, "report"):
-        logger.info("%s", source.report())
-        report["report"] = source.report()
-    if hasattr(source, "share"):
-        report["cached_token_share"] = source.share()
-    for part in (source, getattr(source, "fallback", None)):
-        if isinstance(part, VLLMStateSource):
-            report["vllm"] = dict(part.stats)
-    return report
-
-
-def close_source(source: HiddenStateSource) -> None:
-    """Stop a source's background requests (an online one, or the one behind a hybrid cache)."""
-    for part in (source, getattr(source, "fallback", None)):
-        if hasattr(part, "close"):
-            part.close()
-
-
 def build_objective(config: RunConfig, block_size: int | None = None):
     """The loss settings, with the teacher and confidence-target choices of the train section."""
     try:
         return config.objective(block_size=block_size)
     except ValueError as e:  # ObjectiveConfig's checks are one sentence naming the valid values
         raise UsageError(f"train: {e}") from e
-
-
-def calibrate_confidence(trainer: DSparkTrainer, drafter: DSparkDraftModel, config: RunConfig,
-                         has_validation: bool) -> dict | None:
-    """Fit `sigmoid(a*z + c)` to the confidence targets of the validation split and fold it into the head of the
-    model in memory, the final drafter in output_dir and the best checkpoint (the one an export picks), each with
-    its `CALIBRATION_FILE`; a checkpoint whose other weights differ from the model in memory is left alone (the
-    fit is not for it). Runs on every process (the sample is gathered), writes on the main one. Returns the
-    summary's record, or None when skipped (no validation split, no confidence head, or switched off)."""
-    t, args = config.train, trainer.args
-    head = drafter.confidence_head
-    reason = ("train.calibrate_confidence is false" if not t.calibrate_confidence else
-              "the drafter has no confidence head" if head is None else
-              "there is no validation split" if not has_validation else None)
-    if reason:
-        logger.info("confidence calibration skipped: %s", reason)
-        return None
-    samples = trainer.confidence_samples(t.calibration_max_slots)
-    z, target, mask = samples["z"], samples["target"], samples["supervised"]
-    if not bool(mask.any()):
-        logger.info("confidence calibration skipped: the validation split has no supervised slot")
-        return None
-    a, c = fit_logistic(z[mask], target[mask])
-    if not abs(a) >= MIN_SLOPE:
-        logger.warning("confidence calibration skipped: the fitted slope a=%.2g says the confidence logits carry no "
-                       "signal about acceptance, so folding it would erase the head", a)
-        return None
-    record = calibration_record(z, target, mask, a, c, confidence_target=t.confidence_target,
-                                teacher_vocab=t.teacher_vocab, split="validation", max_slots=t.calibration_max_slots)
-    reference = trainer.servable_state_dict()  # before the fold: the weights the fit belongs to
-    fold_head(head.proj, a, c)
-    folded = {HEAD_WEIGHT: head.proj.weight, HEAD_BIAS: head.proj.bias}
-    applied = []
-    if args.should_save:
-        for directory in dict.fromkeys(d for d in (t.output_dir, trainer.state.best_model_checkpoint) if d):
-            if write_folded_head(directory, folded, reference, a, c):
-                write_record(directory, record)  # after the weights: the record's presence means they are folded
-                applied.append(directory)
-            else:
-                logger.warning("confidence calibration not applied to %s: its weights are not the model it was "
-                               "fitted on", directory)
-    args_barrier(args)
-    fmt = lambda xs: "[" + ", ".join("n/a" if x is None else f"{x:+.3f}" for x in xs) + "]"  # noqa: E731
-    logger.info("confidence calibration (%s target) on %d validation slots: sigmoid(%.4f*z %+.4f); ECE %.4f -> %.4f; "
-                "cumulative-product bias per position %s -> %s; folded into %s", t.confidence_target,
-                record["n_slots"], a, c, record["ece_before"], record["ece_after"],
-                fmt(record["cumprod_bias_before"]), fmt(record["cumprod_bias_after"]), ", ".join(applied) or "nothing")
-    keys = ("a", "c", "n_slots", "ece_before", "ece_after", "cumprod_bias_before", "cumprod_bias_after")
-    return {**{k: record[k] for k in keys}, "applied_to": applied}
 
 
 def build_training_arguments(config: RunConfig, has_validation: bool) -> TrainingArguments:
@@ -519,23 +412,58 @@ def build_drafter(config: RunConfig, verifier, tokenizer, vocab_ids) -> DSparkDr
     return drafter.to(verifier.get_input_embeddings().weight.device)  # (the shell's decoder layers are on meta)
 
 
-def len_vocab(verifier_path: str) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(verifier_path).get_text_config().vocab_size
-
-
-def check_enough_supervision(train_set, block_size: int) -> None:
-    supervised = sum(train_set["num_supervised"]) if len(train_set) else 0
-    if supervised < block_size:
-        raise UsageError(f"the training split has {supervised} supervised tokens, fewer than one block of "
-                         f"{block_size}; add conversations with assistant turns or lower model.block_size.")
-
-
-def args_barrier(args: TrainingArguments) -> None:
-    if args.world_size > 1 and torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
     sys.exit(run_cli(main))
+
+
+
+
+def calibrate_confidence(trainer: DSparkTrainer, drafter: DSparkDraftModel, config: RunConfig,
+                         has_validation: bool) -> dict | None:
+    """Fit `sigmoid(a*z + c)` to the confidence targets of the validation split and fold it into the head of the
+    model in memory, the final drafter in output_dir and the best checkpoint (the one an export picks), each with
+    its `CALIBRATION_FILE`; a checkpoint whose other weights differ from the model in memory is left alone (the
+    fit is not for it). Runs on every process (the sample is gathered), writes on the main one. Returns the
+    summary's record, or None when skipped (no validation split, no confidence head, or switched off)."""
+    t, args = config.train, trainer.args
+    head = drafter.confidence_head
+    reason = ("train.calibrate_confidence is false" if not t.calibrate_confidence else
+              "the drafter has no confidence head" if head is None else
+              "there is no validation split" if not has_validation else None)
+    if reason:
+        logger.info("confidence calibration skipped: %s", reason)
+        return None
+    samples = trainer.confidence_samples(t.calibration_max_slots)
+    z, target, mask = samples["z"], samples["target"], samples["supervised"]
+    if not bool(mask.any()):
+        logger.info("confidence calibration skipped: the validation split has no supervised slot")
+        return None
+    a, c = fit_logistic(z[mask], target[mask])
+    if not abs(a) >= MIN_SLOPE:
+        logger.warning("confidence calibration skipped: the fitted slope a=%.2g says the confidence logits carry no "
+                       "signal about acceptance, so folding it would erase the head", a)
+        return None
+    record = calibration_record(z, target, mask, a, c, confidence_target=t.confidence_target,
+                                teacher_vocab=t.teacher_vocab, split="validation", max_slots=t.calibration_max_slots)
+    reference = trainer.servable_state_dict()  # before the fold: the weights the fit belongs to
+    fold_head(head.proj, a, c)
+    folded = {HEAD_WEIGHT: head.proj.weight, HEAD_BIAS: head.proj.bias}
+    applied = []
+    if args.should_save:
+        for directory in dict.fromkeys(d for d in (t.output_dir, trainer.state.best_model_checkpoint) if d):
+            if write_folded_head(directory, folded, reference, a, c):
+                write_record(directory, record)  # after the weights: the record's presence means they are folded
+                applied.append(directory)
+            else:
+                logger.warning("confidence calibration not applied to %s: its weights are not the model it was "
+                               "fitted on", directory)
+    args_barrier(args)
+    fmt = lambda xs: "[" + ", ".join("n/a" if x is None else f"{x:+.3f}" for x in xs) + "]"  # noqa: E731
+    logger.info("confidence calibration (%s target) on %d validation slots: sigmoid(%.4f*z %+.4f); ECE %.4f -> %.4f; "
+                "cumulative-product bias per position %s -> %s; folded into %s", t.confidence_target,
+                record["n_slots"], a, c, record["ece_before"], record["ece_after"],
+                fmt(record["cumprod_bias_before"]), fmt(record["cumprod_bias_after"]), ", ".join(applied) or "nothing")
+    keys = ("a", "c", "n_slots", "ece_before", "ece_after", "cumprod_bias_before", "cumprod_bias_after")
+    return {**{k: record[k] for k in keys}, "applied_to": applied}

@@ -1,0 +1,181 @@
+"""Staging: the folder an export uploads, written from one checkpoint and validated before anything leaves.
+
+`stage` writes exactly the serving contract (`trainer/export/contract.py`): bf16 `model.safetensors` with only the
+contract's tensors, `config.json` naming the verifier by Hub id (vLLM refuses local paths there), the two
+remote-code files, the model card `README.md` (`trainer/export/card.py`), with results the per-position
+acceptance plot and, when the checkpoint records a confidence calibration, its reliability plot
+(`trainer/export/plots.py`). It then proves the folder serves: vLLM's structural config checks, the
+exact tensor set with its dtypes, finite weights equal to the checkpoint's (bf16-rounded), and a load through
+`AutoModel.from_pretrained(..., trust_remote_code=True)` in a fresh process with an empty module cache. The
+commit message and description are built here too, from the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from trainer.errors import DSparkError
+from trainer.evaluation.results import AcceptanceResults, read_results, weights_sha256
+from trainer.export.card import render_card
+from trainer.export.card_sections import CardInputs, read_calibration
+from trainer.export.contract import (
+    REMOTE_CODE_FILES,
+    WEIGHTS_INDEX_FILE,
+    check_remote_code_load,
+    check_serving_config,
+    check_weights,
+    read_json,
+    resolve_verifier_id,
+    weight_files,
+)
+from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE, plot_acceptance, plot_reliability
+from trainer.train.checkpoints import RUN_CONFIG_FILE, TRAINER_STATE_FILE, Checkpoint, CheckpointError, read_summary
+
+CARD_FILE = "README.md"
+# Remote files a new export replaces in the same commit: stale shards or an old plot would otherwise linger.
+DELETE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", f"{Path(PLOT_FILE).stem}*.png",
+                   f"{Path(CALIBRATION_PLOT_FILE).stem}*.png"]
+
+
+class StagingError(DSparkError):
+    """Staging failed although its inputs were fine (disk, an unexpected file); one sentence with cause and fix."""
+
+
+@dataclass
+class Staged:
+    folder: Path
+    checkpoint: Checkpoint
+    verifier_id: str
+    files: dict[str, int]  # name -> bytes
+    commit_message: str
+    commit_description: str
+    remote_report: dict | None = None
+
+
+def is_export_file(name: str) -> bool:
+    """A file name an export writes (so a folder holding only such files may be replaced by a new export)."""
+    return name in {"config.json", CARD_FILE, PLOT_FILE, CALIBRATION_PLOT_FILE, WEIGHTS_INDEX_FILE,
+                    *REMOTE_CODE_FILES} or \
+        name.endswith(".safetensors")
+
+
+def expected_files(folder: Path, with_plot: bool, with_calibration_plot: bool = False) -> set[str]:
+    names = {"config.json", CARD_FILE, *REMOTE_CODE_FILES, *weight_files(folder)}
+    if (folder / WEIGHTS_INDEX_FILE).exists():
+        names.add(WEIGHTS_INDEX_FILE)
+    return names | ({PLOT_FILE} if with_plot else set()) | ({CALIBRATION_PLOT_FILE} if with_calibration_plot else set())
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("dspark-hf", "transformers", "torch", "huggingface_hub", "safetensors"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def commit_texts(verifier_id: str, checkpoint: Checkpoint, results: list[AcceptanceResults],
+                 run_config_sha: str | None) -> tuple[str, str]:
+    """Default commit message and description, built from the data only (parts without data are left out)."""
+    parts = []
+    if checkpoint.step is not None:
+        parts.append(f"step {checkpoint.step}")
+    if results:
+        r = results[0]
+        value = r.weighted if r.weighted is not None else r.unweighted
+        parts.append(f"acceptance length {value:.2f}" + (f" on {r.dataset_label}" if r.dataset else ""))
+    message = f"Upload DSpark drafter for {verifier_id}" + (f" ({', '.join(parts)})" if parts else "")
+    lines = [f"Checkpoint: {checkpoint.path.name if checkpoint.kind == 'checkpoint' else 'final model'}"
+             + (f" (step {checkpoint.step})" if checkpoint.step is not None else "")]
+    if run_config_sha:
+        lines.append(f"Run config sha256: {run_config_sha}")
+    for r in results:
+        mean = f"weighted acceptance length {r.weighted:.3f} over {r.total_steps} steps" if r.weighted is not None \
+            and r.total_steps else f"unweighted acceptance length {r.unweighted:.3f}"
+        lines.append(f"Eval ({r.short}, {r.dataset_label}): {mean}; {r.path.name}")
+    lines.append("Exported with " + ", ".join(f"{k} {v}" for k, v in _versions().items()))
+    return message, "\n".join(lines)
+
+
+def _run_config(checkpoint: Checkpoint) -> tuple[dict | None, str | None]:
+    """The checkpoint's saved run configuration and the sha256 of its bytes (both None when it has none)."""
+    path = checkpoint.path / RUN_CONFIG_FILE
+    if not path.exists():
+        return None, None
+    raw = path.read_bytes()
+    try:
+        run_config = yaml.safe_load(raw) or None
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path} is not valid YAML ({e}); restore it from the run, or delete it to export "
+                              f"without a training section.") from e
+    return run_config if isinstance(run_config, dict) else None, hashlib.sha256(raw).hexdigest()
+
+
+def stage(checkpoint: Checkpoint, folder: Path, *, repo_id: str, verifier_id: str | None = None,
+          eval_results: list[str | os.PathLike] = (), license: str = "apache-2.0", revision: str | None = None,
+          remote_code_check: bool = True) -> Staged:
+    """Write the repo folder for `checkpoint` into the empty directory `folder`, then validate it.
+
+    The weights go through `DSparkDraftModel` (fp32 load, floats to bf16, `save_pretrained`) rather than a
+    file copy, so the staged config is regenerated by the current `DSparkConfig` and the remote-code files
+    are the current ones; `check_weights` then proves nothing but the dtype changed."""
+    import torch
+
+    from modeling_dspark import DSparkDraftModel
+
+    folder = Path(folder)
+    source_config = read_json(checkpoint.path / "config.json")
+    verifier = resolve_verifier_id(source_config, verifier_id)
+    block = source_config.get("block_size")
+    weights_sha = weights_sha256(checkpoint.path)
+    results = [read_results(p, block, verifier, weights_sha) for p in eval_results]
+
+    model, info = DSparkDraftModel.from_pretrained(checkpoint.path, dtype=torch.float32, output_loading_info=True)
+    allowed_missing = set() if model.config.uses_draft_vocab else {"lm_head.weight"}
+    if set(info["missing_keys"]) - allowed_missing or info["unexpected_keys"]:
+        raise CheckpointError(f"{checkpoint.path} does not match this package's DSparkDraftModel (missing "
+                              f"{sorted(info['missing_keys'])}, unexpected {sorted(info['unexpected_keys'])}); export "
+                              f"it with the package version that trained it.")
+    model = model.to(torch.bfloat16)
+    model.config.speculators_config["verifier"]["name_or_path"] = verifier
+    model.config.verifier_local_path = None  # machine-specific; vLLM reads the Hub id above
+    model.save_pretrained(folder)
+    config = read_json(folder / "config.json")
+
+    check_serving_config(config)
+    tensors = check_weights(folder, checkpoint.path)
+    check_serving_config(config, tensors)
+
+    run_config, run_config_sha = _run_config(checkpoint)
+    state_file = checkpoint.path / TRAINER_STATE_FILE
+    inputs = CardInputs(
+        repo_id=repo_id, verifier_id=verifier, config=config, tensors=tensors, checkpoint=checkpoint,
+        run_config=run_config, trainer_state=read_json(state_file) if state_file.exists() else None,
+        summary=read_summary(checkpoint.run_dir or checkpoint.path) if checkpoint.kind == "final" else None,
+        results=results, license=license, revision=revision,
+    )
+    if results:
+        plot_acceptance(results, folder / PLOT_FILE)
+    calibration = read_calibration(checkpoint.path)
+    if calibration is not None:
+        plot_reliability(calibration, folder / CALIBRATION_PLOT_FILE)
+    render_card(inputs, run_config_sha).save(folder / CARD_FILE)
+
+    present = {p.name for p in folder.iterdir()}
+    wanted = expected_files(folder, bool(results), calibration is not None)
+    if present != wanted:
+        raise StagingError(f"the staged folder holds {sorted(present ^ wanted)} beyond or short of the contract's "
+                           f"files; re-run the export, and report it if it persists.")
+    report = check_remote_code_load(folder) if remote_code_check else None
+    message, description = commit_texts(verifier, checkpoint, results, run_config_sha)
+    files = {name: (folder / name).stat().st_size for name in sorted(present)}
+    return Staged(folder=folder, checkpoint=checkpoint, verifier_id=verifier, files=files, commit_message=message,
+                  commit_description=description, remote_report=report)

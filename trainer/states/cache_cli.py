@@ -1,0 +1,121 @@
+"""(split from trainer/states/offline_format.py)"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from trainer.config import aux_layer_ids_for_config
+from trainer.errors import UsageError, run_cli
+from trainer.states.offline import as_document, write_cache
+from trainer.states.offline_format import DEFAULT_SHARD_TOKENS, check_plan, dtype_name, make_plan
+
+logger = logging.getLogger("dspark")
+
+
+# ---------------------------------------------------------------------------------------------------- command
+def documents_for_config(config) -> list[torch.Tensor]:
+    """Every document a run of `config` trains or evaluates on (train and validation conversations, each one's
+    `input_ids`), through the run's own data path (`trainer.data.prepare.prepare_data`), so their keys are the ones
+    training asks for."""
+    import numpy as np
+    import pyarrow.compute as pc
+    from transformers import AutoTokenizer
+
+    from trainer.data.prepare import prepare_data
+    from trainer.verifier.loading import resolve_pretrained
+
+    path, _ = resolve_pretrained(config.model.verifier, "verifier")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    train_set, validation_set, _ = prepare_data(config, tokenizer)
+    documents = []
+    for split in (train_set, validation_set):
+        if len(split) == 0:
+            continue
+        table = split.select_columns(["input_ids"]).with_format("arrow")
+        for batch in table.iter(batch_size=4096):
+            column = batch.column("input_ids")
+            values = pc.list_flatten(column).to_numpy().astype(np.int64)
+            ends = np.cumsum(pc.list_value_length(column).to_numpy())
+            documents.extend(torch.from_numpy(v.copy()) for v in np.split(values, ends[:-1]))
+    return documents
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, str | None, int, str, list[str]]:
+    """`--config`, `--cache_dir`, `--shard_tokens` and `--source` (in_process, or vllm: the servers of the run
+    config's train.vllm_urls) are the command's own; everything else overrides the run config (as for
+    trainer/run.py)."""
+    own = {"--config": None, "--cache_dir": None, "--shard_tokens": None, "--source": "in_process"}
+    rest = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        name, eq, value = arg.partition("=")
+        if name in own:
+            if not eq:
+                if i + 1 >= len(argv):
+                    example = DEFAULT_SHARD_TOKENS if name == "--shard_tokens" else "DIR"
+                    raise UsageError(f"{name} needs a value; pass e.g. {name} {example}.")
+                value = argv[i + 1]
+                i += 1
+            own[name] = value
+        else:
+            rest.append(arg)
+        i += 1
+    shard_tokens = DEFAULT_SHARD_TOKENS
+    if own["--shard_tokens"] is not None:
+        try:
+            shard_tokens = int(own["--shard_tokens"])
+        except ValueError as e:
+            raise UsageError(f"--shard_tokens {own['--shard_tokens']} is not an integer; pass e.g. 65536.") from e
+    if own["--source"] not in ("in_process", "vllm"):
+        raise UsageError(f"--source must be in_process or vllm (got {own['--source']!r}).")
+    return own["--config"], own["--cache_dir"], shard_tokens, own["--source"], rest
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config_path, cache_dir, shard_tokens, source_name, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    if not cache_dir:
+        raise UsageError("no --cache_dir was given; pass the directory to write the cache into, e.g. --cache_dir "
+                         "out/states-cache.")
+    from trainer.config import RunConfig
+    from trainer.states.in_process import InProcessVerifier
+    from trainer.verifier.loading import load_verifier, resolve_pretrained, torch_dtype
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
+                        stream=sys.stdout)
+    config = RunConfig.load(config_path, rest)
+    path, verifier_config = resolve_pretrained(config.model.verifier, "verifier")
+    aux_layer_ids = aux_layer_ids_for_config(config, verifier_config)
+    documents = [as_document(d) for d in documents_for_config(config)]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch_dtype(config.model.verifier_dtype, device)
+    hidden_size = verifier_config.get_text_config().hidden_size
+    # a cache planned differently is refused before the verifier is loaded (minutes for a large one on a GPU)
+    check_plan(cache_dir, make_plan(documents, aux_layer_ids, hidden_size, dtype_name(dtype), shard_tokens))
+    if source_name == "vllm":
+        from trainer.states.vllm import source_for_config
+        from trainer.verifier.loading import load_verifier_shell
+
+        t = config.train
+        if not (t.vllm_urls and t.vllm_states_dir):
+            raise UsageError("--source vllm needs the servers: pass --vllm_urls '[http://host:port]' and "
+                             "--vllm_states_dir DIR (or set them in the config's train section).")
+        source = source_for_config(config, load_verifier_shell(path, config.model.verifier_dtype, device),
+                                   aux_layer_ids)
+    else:
+        logger.info("loading the verifier %s (%s)", config.model.verifier, path)
+        verifier = load_verifier(path, dtype=config.model.verifier_dtype, device=device)
+        source = InProcessVerifier(verifier, aux_layer_ids,
+                                   max_tokens_per_forward=config.train.verifier_max_tokens_per_forward)
+    return write_cache(source, documents, cache_dir, shard_tokens=shard_tokens,
+                       tokens_per_call=config.train.verifier_max_tokens_per_forward)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

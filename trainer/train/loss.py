@@ -1,0 +1,354 @@
+"""The training objective (docs/algorithm.md): which blocks are trained, what they are
+trained toward, the loss, and the teacher-forced acceptance metrics.
+
+Everything here is the single place for its concept: anchor sampling and the block supervision mask,
+the teacher distribution (the verifier's own final norm, head and softcap), the confidence target, and the
+loss/metric reductions. Training, evaluation and tests all call these functions.
+
+The metrics measure what the verifier would accept, so they need the verifier's probabilities over its
+*full* vocabulary V, not only over the draft vocabulary Vd: per slot, the loss adds a no-gradient pass over
+the full output head for the log-normaliser (and argmax) of the tokens outside Vd. That pass costs V x H per slot
+(8x the draft head at V = 262,144, Vd = 32,000); `ObjectiveConfig.full_vocab_metrics=False` skips it on training
+batches whose loss does not read it (`needs_full_vocabulary`).
+
+Speed and memory: the draft logits are a sum of linear maps (`DSparkDraftModel.logit_terms`), so `_DraftLoss`
+computes, chunk by chunk of supervised slots, the draft and teacher logits once, the loss terms, and the
+gradient of the loss w.r.t. the logits in closed form, which it multiplies straight into the gradients of the
+hidden states, the Markov features and `markov_w2` before the next chunk. The backward is a scaling: nothing
+is recomputed (the activation-checkpointed loss this replaces ran every chunk's forward twice) and no
+`[positions, vocabulary]` tensor outlives its chunk. Chunks hold `chunk_rows(chunk_elements, Vd)` slots and the
+full-vocabulary pass uses chunks of slots x vocabulary of the same size, so peak memory is `O(chunk_elements)`
+whatever the number of slots and the vocabulary (Vd = 32,000 or V = 262,144 alike). Tests compare the loss,
+every metric and every gradient with float64 autograd over unchunked reference formulas.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import (
+    CONFIDENCE_TARGETS,
+    DEFAULT_CHUNK_ELEMENTS,
+    DEFAULT_CONFIDENCE_TARGET,
+    DEFAULT_TEACHER_VOCAB,
+    LOSS_NAMES,
+    TEACHER_VOCABS,
+)
+from trainer.train.anchors import block_supervision, decay_weights
+from trainer.verifier.teacher import Teacher, upcast
+
+
+# ------------------------------------------------------------------------------------------------ loss
+@dataclass
+class ObjectiveConfig:
+    """Loss configuration (seed recipe defaults)."""
+
+    block_size: int = 8
+    max_anchors: int = 512
+    loss_weights: dict = field(default_factory=lambda: {"ce": 0.1, "tv": 0.9})
+    confidence_weight: float = 1.0
+    decay_gamma: float = 4.0
+    ce_target: str = "teacher"  # or "data": x_{p+k+1} when it is in the draft vocabulary
+    # Logits elements per chunk of slots, the loss's memory budget (rows: `chunk_rows`).
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    teacher_vocab: str = DEFAULT_TEACHER_VOCAB  # what CE/TV/KL compare the draft with (TEACHER_VOCABS)
+    confidence_target: str = DEFAULT_CONFIDENCE_TARGET  # what the confidence head predicts (CONFIDENCE_TARGETS)
+    # The full-vocabulary metrics (accept_len, greedy, coverage) need a no-gradient pass over the verifier's
+    # whole output head (V x H per slot, 8x the draft head's cost at V = 262,144, Vd = 32,000). False skips it
+    # when the loss does not need it (teacher_vocab "draft" and confidence_target "sampled_restricted"); those
+    # metrics are then NaN. Evaluation always computes them (DSparkTrainer).
+    full_vocab_metrics: bool = True
+
+    def __post_init__(self):
+        unknown = set(self.loss_weights) - set(LOSS_NAMES)
+        if unknown:
+            raise ValueError(f"unknown loss terms {sorted(unknown)}; use a dict over {list(LOSS_NAMES)}, "
+                             f'e.g. {{"ce": 0.1, "tv": 0.9}}.')
+        if self.ce_target not in ("teacher", "data"):
+            raise ValueError(f"ce_target must be 'teacher' or 'data' (got {self.ce_target!r}).")
+        if self.max_anchors < 1:
+            raise ValueError(f"max_anchors must be at least 1 (got {self.max_anchors}).")
+        if self.teacher_vocab not in TEACHER_VOCABS:
+            raise ValueError(f"teacher_vocab must be one of {list(TEACHER_VOCABS)} (got {self.teacher_vocab!r}).")
+        if self.confidence_target not in CONFIDENCE_TARGETS:
+            raise ValueError(f"confidence_target must be one of {list(CONFIDENCE_TARGETS)} "
+                             f"(got {self.confidence_target!r}).")
+
+
+# Below this many slots per chunk, the logit matmuls over a large head are bound by reading the head's weights
+# (each chunk reads the [Vd, H] head three times), not by arithmetic.
+MIN_CHUNK_ROWS = 64
+
+
+def chunk_rows(chunk_elements: int, vocab: int) -> int:
+    """Supervised slots per loss chunk: the memory budget over the draft vocabulary, at least `MIN_CHUNK_ROWS`
+    (tests pass tiny budgets to force one slot per chunk: a budget below one row is taken literally)."""
+    rows = chunk_elements // vocab
+    return max(1, rows) if chunk_elements < vocab else max(rows, MIN_CHUNK_ROWS)
+
+
+def needs_full_vocabulary(config: ObjectiveConfig) -> bool:
+    """Whether a batch needs the pass over the verifier's full output head: for the full-vocabulary metrics, a
+    full-vocabulary teacher, or a confidence target that reads `p_full` (all but "sampled_restricted")."""
+    return config.full_vocab_metrics or config.teacher_vocab == "full" or config.confidence_target != "sampled_restricted"
+
+
+class _LossPlan:
+    """Everything the draft-logit loss reads besides the logit terms, for `_DraftLoss` (one batch)."""
+
+    def __init__(self, teacher, head_weight, normed, data_targets, slot_weights, loss_weights, teacher_vocab,
+                 confidence_target, in_draft, full, rows, chunk_elements, vocab_size, draft_to_verifier):
+        self.teacher, self.head_weight, self.normed = teacher, head_weight, normed
+        self.data_targets, self.slot_weights = data_targets, slot_weights
+        self.lw = {name: float(loss_weights.get(name, 0.0)) for name in LOSS_NAMES}
+        self.teacher_vocab, self.confidence_target = teacher_vocab, confidence_target
+        self.in_draft, self.full, self.rows, self.chunk_elements = in_draft, full, rows, chunk_elements
+        self.vocab_size, self.draft_to_verifier = vocab_size, draft_to_verifier
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`(a * b).sum(-1)` for `[n, V]` rows as a batched matmul, which allocates no `[n, V]` product."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
+    """One chunk of supervised slots: per-slot CE (to the teacher argmax or the data token), overlap
+    `sum_{Vd} min(p, q)` and `KL = sum_{Vd} p (log p - log q)` against the training teacher, the `[n, 5]` metrics
+    (full-vocabulary overlap, restricted overlap, greedy agreement with the full-vocabulary argmax, draft-vocabulary
+    coverage, confidence target; the three full-vocabulary ones NaN when `plan.full` is off) and, with
+    `want_grad`, the gradient of `sum_i w_i (l_ce ce_i + l_tv (1 - overlap_i) + l_kl kl_i)` w.r.t. the logits,
+    written analytically (`q - onehot`, `q s - q 1[q < p]` with `s = sum_{q < p} q`, `q sum p - p`)."""
+    logits = None
+    for x, weight in terms:
+        part = upcast(F.linear(x[sl], weight))
+        logits = part if logits is None else logits.add_(part.to(logits.dtype))
+    q_arg = logits.argmax(dim=-1)
+    log_q = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: `logits` is this chunk's own
+    q = log_q.exp()
+    n, device, dtype = q.shape[0], q.device, q.dtype
+    t = plan.teacher.head_logits(plan.normed[sl], plan.head_weight)
+    t_max, t_arg = t.max(dim=-1)
+    log_z_draft = torch.logsumexp(t, dim=-1)
+    log_p_draft = t.sub_(log_z_draft.unsqueeze(-1))
+    p_draft = log_p_draft.exp()
+    overlap_draft = torch.minimum(q, p_draft).sum(dim=-1)
+    nan = torch.full((n,), math.nan, device=device, dtype=dtype)
+    log_coverage = p_full = log_p_full = None
+    if plan.full:
+        if plan.in_draft is None:  # the draft vocabulary is all of V: nothing outside it
+            outside_log_z = outside_max = torch.full((n,), -math.inf, device=device, dtype=dtype)
+            outside_id = torch.full((n,), plan.vocab_size, dtype=torch.long, device=device)
+        else:  # no gradient: the full-vocabulary pass is never repeated for the backward
+            outside_log_z, outside_max, outside_id = plan.teacher.outside(plan.normed[sl], plan.in_draft,
+                                                                          plan.chunk_elements)
+        log_coverage = log_z_draft - torch.logaddexp(log_z_draft, outside_log_z)  # log sum_{Vd} p_full, <= 0
+        p_full = p_draft * log_coverage.exp().unsqueeze(-1)
+        overlap_full = torch.minimum(q, p_full).sum(dim=-1)
+        # The verifier's argmax is a draft token iff the best draft logit beats the best outside one (ties: lower id).
+        t_id = plan.draft_to_verifier(t_arg)
+        argmax_in_draft = (t_max > outside_max) | ((t_max == outside_max) & (t_id < outside_id))
+        greedy = ((q_arg == t_arg) & argmax_in_draft).to(dtype)
+        coverage = log_coverage.exp()
+    else:
+        overlap_full = greedy = coverage = nan
+    if plan.confidence_target == "greedy":
+        conf_target = (log_p_draft.gather(-1, q_arg.unsqueeze(-1)).squeeze(-1) + log_coverage).exp()
+    elif plan.confidence_target == "greedy_t0":
+        conf_target = greedy
+    elif plan.confidence_target == "sampled":
+        conf_target = overlap_full
+    else:  # "sampled_restricted"
+        conf_target = overlap_draft
+    metrics = torch.stack([overlap_full, overlap_draft, greedy, coverage, conf_target], dim=-1)
+
+    if plan.teacher_vocab == "full":
+        log_p_full = log_p_draft + log_coverage.unsqueeze(-1)
+        p, log_p, overlap = p_full, log_p_full, overlap_full
+    else:
+        p, log_p, overlap = p_draft, log_p_draft, overlap_draft
+    data_targets = plan.data_targets[sl]
+    target = torch.where(data_targets >= 0, data_targets, t_arg)
+    ce = -log_q.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    kl = _rowdot(p, log_p) - _rowdot(p, log_q)  # sum p (log p - log q), without two more [n, Vd] temporaries
+    del t, log_p_draft, log_p, log_p_full
+    grad = None
+    if want_grad:
+        lw = plan.lw
+        below = q.where(q < p, 0.0)  # q 1[q < p]: the slots' share of the overlap that q controls
+        coef = lw["ce"] + lw["tv"] * below.sum(dim=-1) + lw["kl"] * p.sum(dim=-1)
+        grad = torch.mul(q, coef.unsqueeze(-1), out=log_q)  # log_q is no longer needed: reuse its memory
+        grad.add_(below, alpha=-lw["tv"])
+        del below
+        if lw["kl"]:
+            grad.add_(p, alpha=-lw["kl"])
+        if lw["ce"]:
+            grad[torch.arange(n, device=device), target] -= lw["ce"]
+        grad.mul_(plan.slot_weights[sl].to(dtype).unsqueeze(-1))
+    return ce, overlap, kl, metrics, grad
+
+
+class _DraftLoss(torch.autograd.Function):
+    """`sum_i w_i (l_ce ce_i + l_tv tv_i + l_kl kl_i)` over the supervised slots from the logit terms
+    `sum_j x_j W_j^T` (`DSparkDraftModel.logit_terms`), chunk by chunk of slots.
+
+    The forward writes each chunk's logit gradient straight into the gradients of the terms (`dx_j = g W_j`,
+    `dW_j += g^T x_j`), so the backward only scales them by the incoming gradient: no `[slots, Vd]` tensor is
+    kept, and nothing (draft logits, teacher logits, softmaxes) is recomputed, unlike activation checkpointing,
+    which would run the forward of every chunk twice. The per-slot terms and metrics are returned alongside,
+    without gradient."""
+
+    @staticmethod
+    def forward(ctx, plan: _LossPlan, grad_for: tuple, *flat):
+        terms = list(zip(flat[0::2], flat[1::2]))
+        slots = flat[0].shape[0]
+        want = any(grad_for)
+        grads = [torch.zeros(t.shape, device=t.device, dtype=upcast(t).dtype) if g else None
+                 for t, g in zip(flat, grad_for)]
+        pieces = []
+        for start in range(0, slots, plan.rows):
+            sl = slice(start, start + plan.rows)
+            ce, overlap, kl, metrics, g = _chunk_terms(plan, terms, sl, want)
+            pieces.append((ce, overlap, kl, metrics))
+            if g is not None:
+                for j, (x, weight) in enumerate(terms):
+                    if grads[2 * j] is not None:
+                        grads[2 * j][sl] = torch.mm(g.to(weight.dtype), weight)
+                    if grads[2 * j + 1] is not None:
+                        buffer = grads[2 * j + 1]  # at least fp32, also for bf16 weights
+                        buffer.addmm_(g.t().to(buffer.dtype), x[sl].to(buffer.dtype))
+                del g
+        ce, overlap, kl, metrics = (torch.cat(t) for t in zip(*pieces))
+        lw = plan.lw
+        w = plan.slot_weights.to(ce.dtype)
+        total = (w * (lw["ce"] * ce + lw["tv"] * (1.0 - overlap) + lw["kl"] * kl)).sum()
+        ctx.grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, flat)]
+        ctx.mark_non_differentiable(ce, overlap, kl, metrics)
+        return total, ce, overlap, kl, metrics
+
+    @staticmethod
+    def backward(ctx, grad_total, *unused):
+        if ctx.grads is None:
+            raise RuntimeError("the DSpark loss was backpropagated twice; its gradients are computed once in the "
+                               "forward and released by the first backward, so call the loss again instead of "
+                               "retain_graph=True.")
+        # Scaled in place: the stored gradients are this backward's alone, so no second [Vd, r] copy is made.
+        grads = [g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in ctx.grads]
+        ctx.grads = None
+        return (None, None, *grads)
+
+
+def dspark_loss(
+    drafter,
+    outputs,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    document_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher: Teacher,
+    config: ObjectiveConfig,
+    return_blocks: bool = False,
+):
+    """Loss of one batch and its statistics vector (see `stat_names`); with `return_blocks`, also the
+    `[R, N, B]` grids `supervised`, `confidence` (logits, None without a head) and `target` (the confidence
+    target), which the post-training calibration collects.
+
+    `loss = (sum_k w_k [sum_t lambda_t term_t] + alpha sum_k w_k BCE_k) / S` over the S supervised slots,
+    `w_k = exp(-k / gamma)`. The terms compare the draft with the teacher over the draft vocabulary,
+    renormalised there (`teacher_vocab="draft"`) or as the verifier's full-vocabulary probabilities
+    (`"full"`, not renormalised). The confidence target (no gradient) is the acceptance probability of the
+    configured drafting mode; the confidence loss is not detached from the backbone. `drafter` is the
+    unwrapped model (its heads recompute logits per chunk).
+    """
+    B = config.block_size
+    device = outputs.last_hidden_state.device
+    supervised = block_supervision(loss_mask, document_ids, anchors, B)  # [R, N, B]
+    rows, n_anchors = anchors.shape
+    idx = supervised.nonzero(as_tuple=True)  # (r, j, k)
+    slot = idx[2]
+    S = slot.numel()
+    positions = anchors.clamp(min=0)[idx[0], idx[1]] + slot  # p + k: the teacher's position
+    hidden = outputs.last_hidden_state[idx]
+    previous = outputs.previous_token_ids[idx]
+    normed = teacher.normed(teacher_hidden[idx[0], positions])
+    if config.ce_target == "data":
+        data_targets = drafter.verifier_to_draft_ids(input_ids[idx[0], positions + 1])
+    else:
+        data_targets = torch.full_like(slot, -1)
+    in_draft = drafter.t2d if drafter.config.uses_draft_vocab else None  # None: the draft vocabulary is all of V
+    if in_draft is not None and teacher.output_weight is None:
+        raise ValueError("the teacher has no full-vocabulary output head, which a drafter with a reduced draft "
+                         "vocabulary needs; build it as "
+                         "Teacher(norm, softcap, verifier.get_output_embeddings().weight).")
+
+    dtype = torch.promote_types(outputs.last_hidden_state.dtype, torch.float32)
+    weights = decay_weights(B, config.decay_gamma, device, dtype)[slot]
+    vocab = drafter.lm_head.weight.shape[0]
+    plan = _LossPlan(teacher, drafter.lm_head.weight, normed, data_targets, weights, config.loss_weights,
+                     config.teacher_vocab, config.confidence_target, in_draft,
+                     full=in_draft is None or needs_full_vocabulary(config), rows=chunk_rows(config.chunk_elements, vocab),
+                     chunk_elements=config.chunk_elements, vocab_size=drafter.config.vocab_size,
+                     draft_to_verifier=drafter.draft_to_verifier_ids)
+    if S:
+        features = outputs.previous_features[idx] if outputs.previous_features is not None else None
+        flat = [t for pair in drafter.logit_terms(hidden, previous, features) for t in pair]
+        grad_for = tuple(torch.is_grad_enabled() and t.requires_grad for t in flat)
+        total, ce, overlap, kl, metrics = _DraftLoss.apply(plan, grad_for, *flat)
+    else:
+        total = torch.zeros((), device=device, dtype=dtype)
+        ce = overlap = kl = torch.zeros(0, device=device, dtype=dtype)
+        metrics = torch.zeros(0, 5, device=device, dtype=dtype)
+    acceptance, restricted, greedy, coverage, conf_target = metrics.clamp(0.0, 1.0).unbind(-1)
+    tv = 1.0 - overlap
+
+    def grid(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows, n_anchors, B, device=device, dtype=values.dtype)
+        out[idx] = values
+        return out
+
+    conf_logits = outputs.confidence_logits
+    bce = torch.zeros_like(ce)
+    pred = torch.zeros_like(ce)
+    has_head = conf_logits is not None
+    if has_head and S:
+        c = upcast(conf_logits[idx])
+        bce = F.binary_cross_entropy_with_logits(c, conf_target, reduction="none")
+        total = total + config.confidence_weight * (weights * bce).sum()
+        pred = torch.sigmoid(c.detach())
+    if S == 0:  # no supervised slot in this batch: a zero loss that still reaches every parameter (DDP)
+        total = sum((p.float().sum() for p in drafter.parameters() if p.requires_grad), torch.zeros((), device=device)) * 0.0
+    loss = total / max(S, 1)
+
+    with torch.no_grad():
+        valid_blocks = supervised[..., 0]
+        sup = supervised.float()
+        survival = grid(acceptance).cumprod(dim=-1)  # masked slots are 0 and end the chain
+        restricted_survival = grid(restricted).cumprod(dim=-1)
+        greedy_run = grid(greedy).cumprod(dim=-1).sum(-1)
+        target_survival = grid(conf_target).cumprod(dim=-1)
+        # prod_{j<=k} sigmoid(c_j) - prod_{j<=k} target_j, at every supervised slot (zero without a head)
+        bias = (grid(pred).cumprod(dim=-1) - target_survival) * sup if has_head else torch.zeros_like(sup)
+        n_blocks = valid_blocks.sum()
+        conf_abs = (pred - conf_target).abs().sum() if has_head else torch.zeros((), device=device, dtype=dtype)
+        head = [
+            torch.tensor(float(S), device=device, dtype=dtype), n_blocks, loss.detach() * S,
+            (weights * ce).sum().detach(), (weights * tv).sum().detach(), (weights * kl).sum().detach(),
+            (weights * bce).sum().detach(), (1.0 + survival.sum(-1))[valid_blocks].sum(),
+            (1.0 + greedy_run)[valid_blocks].sum(), acceptance.sum(), greedy.sum(),
+            (1.0 + restricted_survival.sum(-1))[valid_blocks].sum(), restricted.sum(), coverage.sum(),
+            conf_target.sum(), (1.0 + target_survival.sum(-1))[valid_blocks].sum(), conf_abs, pred.sum(), bias.sum(),
+        ]
+        per_k = []
+        for k in range(B):
+            at_k = slot == k
+            per_k += [at_k.sum(), acceptance[at_k].sum(), greedy[at_k].sum(), survival[..., k][valid_blocks].sum(),
+                      pred[at_k].sum(), conf_target[at_k].sum(), bias[..., k].sum()]
+        # float64: sums over a whole evaluation stay exact enough, and a float64 run keeps its precision
+        stats = torch.stack([x.to(torch.float64) for x in head + per_k])
+    if not return_blocks:
+        return loss, stats
+    blocks = {"supervised": supervised, "target": grid(conf_target.detach()),
+              "confidence": grid(upcast(conf_logits[idx].detach())) if has_head else None}
+    return loss, stats, blocks

@@ -1,0 +1,91 @@
+"""(split from trainer/train/loss.py)"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modeling_dspark import verifier_decoder
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 logits are upcast; a float64 run, as the reference tests use, stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------ teacher
+class Teacher:
+    """The verifier's own next-token distribution, `softcap(final_norm(last_hidden) @ W_out^T)`.
+
+    Two heads read the same normalised state. The draft-vocabulary rows are the drafter's frozen `lm_head`
+    (filled from the verifier by `attach_verifier`, so the loss needs no second copy): they give the teacher
+    logits the draft is compared with. The verifier's full output head (`output_weight`, the verifier's own
+    tensor, shared and never copied) gives the mass on the tokens *outside* the draft vocabulary, which the
+    drafter can never propose but the verifier may still want: without it the metrics would count that mass
+    as acceptable. Logits are computed in each head's dtype (the verifier's, for the full head) and softcapped
+    per logit, exactly as the verifier does.
+    """
+
+    def __init__(self, final_norm: torch.nn.Module, softcap: float | None, output_weight: torch.Tensor | None = None):
+        self.final_norm = final_norm
+        self.softcap = softcap
+        self.output_weight = output_weight
+
+    @torch.no_grad()
+    def normed(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The verifier's final norm of its pre-norm last-layer states, in the norm's dtype."""
+        norm_weight = next(self.final_norm.parameters(), None)
+        return self.final_norm(last_hidden.to(norm_weight.dtype if norm_weight is not None else last_hidden.dtype))
+
+    @torch.no_grad()
+    def head_logits(self, normed: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Softcapped logits (at least fp32) of the rows `head_weight`, computed in that weight's dtype, as the
+        verifier computes its own."""
+        logits = upcast(F.linear(normed.to(head_weight.dtype), head_weight))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def logits(self, last_hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        return self.head_logits(self.normed(last_hidden), head_weight)
+
+    @torch.no_grad()
+    def outside(self, normed: torch.Tensor, in_draft: torch.Tensor, chunk_elements: int):
+        """Log-normaliser, largest logit and its verifier id over the tokens outside the draft vocabulary
+        (`in_draft`, the drafter's `t2d`), each `[n]`, computed over the full head in vocabulary chunks of
+        `chunk_elements // n` rows so no `[n, V]` tensor exists. The draft rows are masked out rather than
+        skipped (contiguous row slices are views of the shared head, never copies); their share of the
+        normaliser comes from the draft-row logits the loss computes anyway, so `logZ_full =
+        logaddexp(logZ_draft, logZ_outside)` and the draft vocabulary's mass never exceeds 1 by rounding."""
+        weight = self.output_weight
+        vocab, n = weight.shape[0], normed.shape[0]
+        device = normed.device
+        h = normed.to(weight.dtype)
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        log_z = torch.full((n,), -math.inf, device=device, dtype=dtype)
+        best = torch.full((n,), -math.inf, device=device, dtype=dtype)
+        best_id = torch.full((n,), vocab, dtype=torch.long, device=device)
+        step = max(1, chunk_elements // max(n, 1))
+        for start in range(0, vocab, step):
+            rows = weight[start : start + step]
+            drafted = in_draft[start : start + rows.shape[0]].to(device)
+            logits = self.head_logits(h, rows).masked_fill(drafted, -math.inf)
+            log_z = torch.logaddexp(log_z, torch.logsumexp(logits, dim=-1))
+            value, index = logits.max(dim=-1)
+            better = value > best  # strict: the lowest id wins a tie, as argmax over the whole vocabulary
+            best = torch.where(better, value, best)
+            best_id = torch.where(better, index + start, best_id)
+        return log_z, best, best_id
+
+
+
+
+def verifier_teacher(verifier: nn.Module) -> Teacher:
+    """The teacher of a verifier (a full model or `trainer.verifier.loading.load_verifier_shell`'s): its final norm,
+    softcap and output head, the verifier's own tensors (detach shares them, no copy)."""
+    text = verifier.config.get_text_config()
+    head = verifier.get_output_embeddings()
+    return Teacher(verifier_decoder(verifier).norm, getattr(text, "final_logit_softcapping", None),
+                   head.weight.detach() if head is not None else None)
