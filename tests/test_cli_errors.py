@@ -302,13 +302,13 @@ EVERY_CLI = [
                                            "--out", "r.json"], "prompt directory ./no-such-prompts does not exist"),
     ("trainer.evaluation.vllm", "wrong type", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--max-prompts",
                                          "abc"], "argument --max-prompts: " + NOT_INT),
-    # trainer.states.offline_format parses its own four flags and passes the rest to the run config
-    ("trainer.states.offline_format", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
+    # trainer.states.cache_format parses its own four flags and passes the rest to the run config
+    ("trainer.states.cache_format", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
      "unknown option --no_such_flag"),
-    ("trainer.states.offline_format", "missing argument", [], "no --cache_dir was given"),
-    ("trainer.states.offline_format", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
+    ("trainer.states.cache_format", "missing argument", [], "no --cache_dir was given"),
+    ("trainer.states.cache_format", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
      "config file nope.yaml does not exist"),
-    ("trainer.states.offline_format", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
+    ("trainer.states.cache_format", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
      "--shard_tokens abc is not an integer"),
     # trainer.serving.server: flags it does not know are run config overrides
     ("trainer.serving.server", "unknown flag", ["--config", CONFIG, "--no_such_flag", "1"],

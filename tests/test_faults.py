@@ -321,7 +321,7 @@ def resume_calibrated(chat_verifier_dir, chat_data_file, out: Path, log: Path) -
 
 # ------------------------------------------------------------------------------------------ the offline cache
 def cache_args(verifier, data, cache_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.states.offline_format", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
+    return [sys.executable, "-m", "trainer.states.cache_format", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
             "--verifier", verifier, "--train_data", data, "--max_seq_length", "128", "--total_seq_length", "256"]
 
 
@@ -342,9 +342,9 @@ def complete_cache(chat_verifier_dir, chat_data_file, tmp_path_factory) -> Path:
 
 
 def assert_same_cache(ours: Path, reference: Path) -> None:
-    from trainer.states.offline import StatesCache
+    from trainer.states.offline_cache import OfflineCache
 
-    StatesCache(str(ours))  # complete and readable
+    OfflineCache(str(ours))  # complete and readable
     a, b = cache_tensors(ours), cache_tensors(reference)
     assert a.keys() == b.keys()
     for name in a:
@@ -353,8 +353,8 @@ def assert_same_cache(ours: Path, reference: Path) -> None:
 
 
 def test_kill_9_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp_path, complete_cache):
-    from trainer.states.offline import StatesCache
-    from trainer.states.offline_format import COMPLETE_FILE
+    from trainer.states.cache_format import COMPLETE_FILE
+    from trainer.states.offline_cache import OfflineCache
 
     cache_dir = tmp_path / "states"
     proc = start(cache_args(chat_verifier_dir, chat_data_file, cache_dir), tmp_path / "killed.log",
@@ -366,7 +366,7 @@ def test_kill_9_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp_path
                                                                  "shard-00002.safetensors.tmp"]
     assert not (cache_dir / COMPLETE_FILE).exists()
     with pytest.raises(UsageError, match=rf"cache {cache_dir} is incomplete \(2 of \d+ shards\); rerun the"):
-        StatesCache(str(cache_dir))  # a training run refuses it rather than reading half a cache
+        OfflineCache(str(cache_dir))  # a training run refuses it rather than reading half a cache
     rerun = subprocess.run(cache_args(chat_verifier_dir, chat_data_file, cache_dir), cwd=ROOT, capture_output=True,
                            text=True, env=ENV, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -382,7 +382,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
     import errno
     import io
 
-    import trainer.states.offline_format as states_cache
+    import trainer.states.cache_format as states_cache
     from trainer.errors import run_cli
 
     class FillingFile(io.FileIO):

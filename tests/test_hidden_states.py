@@ -5,7 +5,7 @@ import torch
 from modeling_dspark import positions_from_document_ids, verifier_hidden_states
 from tiny import VOCAB
 from trainer.states.in_process import InProcessVerifier
-from trainer.states.memory import CachedStates
+from trainer.states.memory import MemoryRowCache
 
 
 def packed(seed=0):
@@ -45,7 +45,7 @@ def test_row_cache_returns_the_same_states_and_respects_its_budget(qwen3_verifie
         return real(batch)
 
     inner.states = counting
-    cache = CachedStates(inner, max_bytes=1 << 30)
+    cache = MemoryRowCache(inner, max_bytes=1 << 30)
     batch = packed(1)
     first = cache.states(batch)
     # the same rows again, in another order and padded to a longer batch
@@ -56,7 +56,7 @@ def test_row_cache_returns_the_same_states_and_respects_its_budget(qwen3_verifie
     assert calls["n"] == 1
     assert torch.equal(second.aux_hidden_states[:, :30].flip(0), first.aux_hidden_states)
     assert torch.equal(second.last_hidden_state[:, :30].flip(0), first.last_hidden_state)
-    tiny = CachedStates(inner, max_bytes=10)
+    tiny = MemoryRowCache(inner, max_bytes=10)
     tiny.states(batch)
     tiny.states(batch)
     assert calls["n"] == 3 and tiny.bytes == 0  # over budget: nothing kept, recomputed

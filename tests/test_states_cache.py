@@ -13,11 +13,11 @@ import torch
 from tiny import VOCAB
 from trainer.data.packing import DSparkCollator
 from trainer.errors import DSparkError, UsageError, run_cli
-from trainer.states import offline_format as states_cache
+from trainer.states import cache_cli
+from trainer.states.cache_format import COMPLETE_FILE, PLAN_FILE
 from trainer.states.hybrid import HybridSource
 from trainer.states.in_process import InProcessVerifier
-from trainer.states.offline import MissingStatesError, StatesCache, write_cache
-from trainer.states.offline_format import COMPLETE_FILE, PLAN_FILE
+from trainer.states.offline_cache import MissingStatesError, OfflineCache, write_cache
 from trainer.states.source import document_key
 
 AUX = [1, 3]
@@ -77,7 +77,7 @@ def test_cache_serves_the_in_process_states(source, tmp_path):
         assert json.loads(f.metadata()["keys"]) == plan["shards"][1]["keys"]
         assert f.get_tensor("offsets").tolist()[-1] == plan["shards"][1]["tokens"]
 
-    cache = StatesCache(str(tmp_path), teacher=source.teacher(), aux_layer_ids=AUX)
+    cache = OfflineCache(str(tmp_path), teacher=source.teacher(), aux_layer_ids=AUX)
     assert len(cache) == 20 and cache.contains(document_key(documents[0])) and cache.teacher() is source.teacher()
     for d, (aux, last) in zip(documents, cache.document_states(documents)):
         ref_aux, ref_last = source.document_states([d])[0]
@@ -97,7 +97,7 @@ def test_rerun_redoes_only_missing_and_damaged_shards(source, tmp_path, caplog):
     first = build(source, documents, tmp_path)
     files = shard_files(tmp_path)
     before = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
-    reference = StatesCache(str(tmp_path)).document_states(documents)
+    reference = OfflineCache(str(tmp_path)).document_states(documents)
     again = build(source, documents, tmp_path)
     assert again["written"] == 0 and again["skipped"] == first["shards"] and again["bytes_written"] == 0
 
@@ -116,7 +116,7 @@ def test_rerun_redoes_only_missing_and_damaged_shards(source, tmp_path, caplog):
     assert shard_files(tmp_path) == files and not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     warnings = caplog.text
     assert "truncated" in warnings and "not the plan's" in warnings and "half-written" in warnings
-    for (a, x), (ra, rx) in zip(StatesCache(str(tmp_path)).document_states(documents), reference):
+    for (a, x), (ra, rx) in zip(OfflineCache(str(tmp_path)).document_states(documents), reference):
         assert torch.equal(a, ra) and torch.equal(x, rx)
 
 
@@ -139,7 +139,7 @@ def test_another_plan_is_refused(source, llama_verifier, tmp_path):
 
 def test_a_full_disk_is_refused_before_anything_is_written(source, tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(states_cache.shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
     directory = tmp_path / "cache"
     with pytest.raises(UsageError, match=r"cache .* needs 16\.\d\d MiB for the \d+ shards still to write but its disk "
                                          r"has 1\.00 MiB free; free some space"):
@@ -156,28 +156,28 @@ def test_a_disk_filling_up_mid_run_keeps_the_finished_shards(source, tmp_path, m
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(states_cache.os, "fsync", full_after_two_shards)
+    monkeypatch.setattr(os, "fsync", full_after_two_shards)
     with pytest.raises(DSparkError, match=r"filled up while writing shard-00002.safetensors \(2 of \d+ shards are "
                                           r"finished and kept\); free some space and rerun the same command"):
         build(source, documents, tmp_path)
-    monkeypatch.setattr(states_cache.os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "fsync", real_fsync)
     assert shard_files(tmp_path) == ["shard-00000.safetensors", "shard-00001.safetensors"]
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     shards = len(json.loads((tmp_path / PLAN_FILE).read_text())["shards"])
     with pytest.raises(UsageError, match=rf"^cache {tmp_path} is incomplete \(2 of {shards} shards\); rerun the cache "
                                          rf"command to finish it\.$"):
-        StatesCache(str(tmp_path))
+        OfflineCache(str(tmp_path))
     summary = build(source, documents, tmp_path)
     assert summary["skipped"] == 2 and summary["written"] == shards - 2
-    assert len(StatesCache(str(tmp_path))) == 20
+    assert len(OfflineCache(str(tmp_path))) == 20
 
 
 def test_reader_refusals(source, tmp_path):
     documents = random_documents(6, seed=5)
     build(source, documents, tmp_path)
     with pytest.raises(UsageError, match=r"holds aux layers \[1, 3\], but this run uses \[1, 2\]; rebuild the cache"):
-        StatesCache(str(tmp_path), aux_layer_ids=[1, 2])
-    cache = StatesCache(str(tmp_path))
+        OfflineCache(str(tmp_path), aux_layer_ids=[1, 2])
+    cache = OfflineCache(str(tmp_path))
     with pytest.raises(UsageError, match="opened without a teacher; pass teacher="):
         cache.teacher()
     stranger = random_documents(1, seed=6)[0]
@@ -188,9 +188,9 @@ def test_reader_refusals(source, tmp_path):
         f"cache for this data or use train.hidden_states: hybrid.")
     os.remove(tmp_path / COMPLETE_FILE)
     with pytest.raises(UsageError, match=r"is incomplete \((\d+) of \1 shards\)"):
-        StatesCache(str(tmp_path))
+        OfflineCache(str(tmp_path))
     with pytest.raises(UsageError, match="holds no hidden-state cache"):
-        StatesCache(str(tmp_path / "nothing"))
+        OfflineCache(str(tmp_path / "nothing"))
 
 
 class RecordingVerifier(InProcessVerifier):
@@ -215,7 +215,7 @@ def test_hybrid_takes_cached_documents_from_the_cache_and_the_rest_from_the_fall
     cached = documents[::2]
     build(source, cached, tmp_path)
     fallback = RecordingVerifier(llama_verifier, AUX)
-    hybrid = HybridSource(StatesCache(str(tmp_path)), fallback)
+    hybrid = HybridSource(OfflineCache(str(tmp_path)), fallback)
     assert hybrid.teacher() is fallback.teacher()
     batch = packed(documents)
     missing = [document_key(d) for d in documents[1::2]]
@@ -251,17 +251,17 @@ def test_command_caches_every_document_training_asks_for(chat_verifier_dir, chat
     overrides = ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--max_seq_length", "128",
                  "--total_seq_length", "256", "--validation_ratio", "0.1", "--aux_hidden_state_layer_ids", "[1,2]"]
     cache_dir = str(tmp_path / "cache")
-    summary = states_cache.main([*overrides, "--cache_dir", cache_dir, "--shard_tokens", "2000"])
+    summary = cache_cli.main([*overrides, "--cache_dir", cache_dir, "--shard_tokens", "2000"])
     config = RunConfig.load(None, overrides)
     train_set, validation_set, _ = prepare_data(config, AutoTokenizer.from_pretrained(chat_verifier_dir))
     conversations = len(train_set) + len(validation_set)
-    assert summary["documents"] == conversations == len(StatesCache(cache_dir)) > 100
+    assert summary["documents"] == conversations == len(OfflineCache(cache_dir)) > 100
     assert summary["tokens"] == sum(train_set["length"]) + sum(validation_set["length"])
     assert summary["shards"] == summary["written"] > 1
-    rerun = states_cache.main([*overrides, f"--cache_dir={cache_dir}", "--shard_tokens=2000"])
+    rerun = cache_cli.main([*overrides, f"--cache_dir={cache_dir}", "--shard_tokens=2000"])
     assert rerun["skipped"] == summary["shards"] and rerun["written"] == 0
     with pytest.raises(UsageError, match=r"planned with aux_layer_ids \[1, 2\], not \[1, 3\]"):
-        states_cache.main([*overrides, "--aux_hidden_state_layer_ids", "[1,3]", "--cache_dir", cache_dir,
+        cache_cli.main([*overrides, "--aux_hidden_state_layer_ids", "[1,3]", "--cache_dir", cache_dir,
                            "--shard_tokens", "2000"])
 
     # the rows training packs find all their documents in the cache, with the verifier's states
@@ -270,12 +270,12 @@ def test_command_caches_every_document_training_asks_for(chat_verifier_dir, chat
     batch = DSparkCollator(pad_token_id=0)([data[0], data[1]])
     assert int(batch["document_ids"].max()) >= 1  # several documents in a row
     verifier = InProcessVerifier(load_verifier(chat_verifier_dir, "float32", "cpu"), [1, 2])
-    ours, theirs = StatesCache(cache_dir, aux_layer_ids=[1, 2]).states(batch), verifier.states(batch)
+    ours, theirs = OfflineCache(cache_dir, aux_layer_ids=[1, 2]).states(batch), verifier.states(batch)
     torch.testing.assert_close(ours.aux_hidden_states, theirs.aux_hidden_states, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, atol=1e-5, rtol=1e-5)
 
     capsys.readouterr()
-    assert run_cli(states_cache.main, overrides) == 2
+    assert run_cli(cache_cli.main, overrides) == 2
     assert capsys.readouterr().err.strip() == ("error: no --cache_dir was given; pass the directory to write the "
                                                "cache into, e.g. --cache_dir out/states-cache.")
 
@@ -292,7 +292,7 @@ def test_training_from_the_cache_matches_training_with_the_verifier_in_process(c
 
     run = ["--verifier", chat_verifier_dir, "--train_data", chat_data_file, *TINY, "--max_steps", "4",
            "--eval_steps", "4", "--eval_at_start", "false", "--calibrate_confidence", "false"]
-    states_cache.main([*run, "--cache_dir", str(tmp_path / "cache"), "--aux_hidden_state_layer_ids", "[1, 2]"])
+    cache_cli.main([*run, "--cache_dir", str(tmp_path / "cache"), "--aux_hidden_state_layer_ids", "[1, 2]"])
     results = {}
     for name, extra in (("in_process", []), ("cache", ["--hidden_states", "cache", "--states_cache_dir",
                                                        str(tmp_path / "cache")])):
@@ -301,7 +301,7 @@ def test_training_from_the_cache_matches_training_with_the_verifier_in_process(c
         train(config)
         results[name] = json.loads((tmp_path / name / "dspark_train_summary.json").read_text())
     ours, ref = results["cache"], results["in_process"]
-    assert ours["hidden_states"]["source"] == "StatesCache" and ref["hidden_states"]["source"] == "InProcessVerifier"
+    assert ours["hidden_states"]["source"] == "OfflineCache" and ref["hidden_states"]["source"] == "InProcessVerifier"
     assert ours["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5)
     for key in ("eval_loss", "eval_accept_len", "eval_tv"):
         assert ours["final_metrics"][key] == pytest.approx(ref["final_metrics"][key], rel=1e-5), key

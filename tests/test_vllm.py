@@ -26,7 +26,7 @@ from trainer.run import train
 from trainer.serving.server import ServerProcess, free_port, spec_for_config
 from trainer.states.cache_cli import main as cache_command
 from trainer.states.in_process import InProcessVerifier
-from trainer.states.offline import StatesCache, write_cache
+from trainer.states.offline_cache import OfflineCache, write_cache
 from trainer.states.vllm import VLLMStatesError, VLLMStateSource, read_states_file, remove_states_file
 from trainer.verifier.loading import load_verifier, load_verifier_shell
 from trainer.verifier.teacher import verifier_teacher
@@ -124,7 +124,7 @@ def test_in_process_vllm_and_cache_sources_give_the_same_batches(server, shell, 
     summary = write_cache(source, documents, str(tmp_path / "cache"), shard_tokens=2048, progress=False)
     del source.document_states
     assert summary["documents"] == len({tuple(d.tolist()) for d in documents}) == len(received)
-    cache = StatesCache(str(tmp_path / "cache"), teacher=source.teacher(), aux_layer_ids=server.layer_ids[:-1])
+    cache = OfflineCache(str(tmp_path / "cache"), teacher=source.teacher(), aux_layer_ids=server.layer_ids[:-1])
     for batch, ours in zip(batches, report["vllm"]):
         cached = cache.states(batch)
         segments, docs = cache.documents(batch)

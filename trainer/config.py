@@ -173,7 +173,7 @@ class TrainArgs:
     record_batches: bool = False  # write the rows each rank trains on to <output_dir>/batches-rank<r>.jsonl
     # Where the verifier's hidden states come from (trainer/states/source.py): in_process (the verifier in every
     # training process), vllm (servers started as `python -m trainer.serving.server` prints, read online and deleted),
-    # cache (shards written by `python -m trainer.states.offline_format`), hybrid (the cache, else the servers).
+    # cache (shards written by `python -m trainer.states.cache_format`), hybrid (the cache, else the servers).
     hidden_states: str = "in_process"
     vllm_urls: list[str] = field(default_factory=list)  # e.g. [http://10.0.0.5:8000]; spread over, or one per rank
     vllm_states_dir: str | None = None  # the servers' shared_storage_path, as the trainer's machine sees it
@@ -292,7 +292,7 @@ class RunConfig:
         """Everything that can be checked without touching the disk or loading a model: presence, types (at
         parse time), ranges and combinations. `trainer/run.py` checks paths and the verifier's config next."""
         m, d, t = self.model, self.data, self.train
-        for where, value, low, high, inclusive in _RANGES(self):
+        for where, value, low, high, inclusive in numeric_ranges(self):
             if value is None:
                 continue
             below = value < low if inclusive[0] else value <= low
@@ -332,7 +332,7 @@ class RunConfig:
                              f"and pass its URL and hidden-states directory.")
         if t.hidden_states in ("cache", "hybrid") and not t.states_cache_dir:
             raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.states_cache_dir; build one "
-                             f"with `python -m trainer.states.offline_format --config ... --cache_dir DIR` and pass DIR.")
+                             f"with `python -m trainer.states.cache_format --config ... --cache_dir DIR` and pass DIR.")
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")
@@ -370,7 +370,7 @@ class RunConfig:
         return path
 
 
-def _RANGES(c: "RunConfig"):
+def numeric_ranges(c: "RunConfig"):
     """(name, value, low, high, (low inclusive, high inclusive)) for every bounded numeric setting."""
     m, d, t = c.model, c.data, c.train
     closed, positive, unit = (True, True), (False, True), (True, False)

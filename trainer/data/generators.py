@@ -1,15 +1,14 @@
-"""(split from trainer/data/regenerate.py)"""
+"""The two regeneration backends: `TransformersGenerator` (the verifier in this process, batched) and
+`VLLMChatClient` (a running vLLM server, concurrent requests), each answering every assistant turn of a
+conversation with the verifier's own reply. trainer/data/regenerate.py picks one.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-from concurrent.futures import ThreadPoolExecutor
-
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 from trainer.data.replies import (
     WINDOW_BATCHES,

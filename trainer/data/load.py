@@ -1,4 +1,7 @@
-"""(split from trainer/data/render.py)"""
+"""Reading chat rows: a Hub dataset id, local .jsonl/.json/.parquet files, or a local directory, into a
+`datasets.Dataset`, with the bad-line policy of `data.max_bad_line_ratio` (trainer/data/files.py scans the files)
+and one sentence for a file `datasets` cannot read.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""(split from trainer/data/render.py)"""
+"""Tokenised conversations -> packed training rows: best-fit bin packing of whole conversations into rows of
+`total_seq_length` tokens (`pack_conversations`), the dataset of those rows with per-document position ids
+(`PackedDataset`), the collator that pads them and announces each batch to the hidden-state source
+(`DSparkCollator`), and the supervised-token counts the draft vocabulary is built from.
+"""
 
 from __future__ import annotations
 

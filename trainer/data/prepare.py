@@ -1,12 +1,9 @@
-"""(split from trainer/run.py)"""
+"""The run's data path, from the `data` section of a run config to tokenised train and validation conversations.
+Training (trainer/run.py) and the offline cache writer (trainer/states/cache_cli.py) both call `prepare_data`, so
+the cache holds exactly the documents training asks for.
+"""
 
-import os
-import sys
 
-if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-    sys.path.insert(0, _root)
 import logging
 
 from trainer.config import RunConfig  # noqa: E402
@@ -22,7 +19,7 @@ DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 def prepare_data(config: RunConfig, tokenizer):
     """Load, render, tokenise (cached) and split the chat data: `(train_set, validation_set, stats)`. The one
     path from the data section to conversations, shared with the hidden-state cache writer
-    (trainer/states/offline_format.py) so the cache holds exactly the documents training will ask for."""
+    (trainer/states/cache_format.py) so the cache holds exactly the documents training will ask for."""
     d = config.data
     raw = load_chat_dataset(d.train_data, split=d.train_split, max_samples=d.max_samples,
                             max_bad_line_ratio=d.max_bad_line_ratio)

@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""Regenerated conversations: splitting a conversation into the turns the verifier answers, the record written per
+conversation, the per-request seed, and the writer that appends finished conversations in input order (so an
+interrupted regeneration resumes from what it wrote). Both regeneration backends (trainer/data/generators.py)
+write through it.
+"""
 
 from __future__ import annotations
 

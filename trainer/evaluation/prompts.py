@@ -1,10 +1,9 @@
-"""(split from trainer/evaluation/in_process.py)"""
+"""Evaluation prompts: a `RedHatAI/speculator_benchmarks`-style prompt set (a Hub dataset or a local directory of
+`<subset>.jsonl` files with a `prompt` field), read per subset. Both evaluators read prompts here.
+"""
 
 import os
-import sys
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.evaluation.results import (

@@ -1,4 +1,7 @@
-"""(split from trainer/export/card.py)"""
+"""The model card's sections, each rendered from `CardInputs` alone (trainer/export/card.py assembles them into the
+template `card.md`): architecture, training, calibration, evaluation results, serving options, usage,
+limitations and provenance.
+"""
 
 from __future__ import annotations
 

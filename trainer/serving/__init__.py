@@ -1,1 +1,6 @@
-"""TODO"""
+"""vLLM transport: talking to a running vLLM server and starting one.
+
+    http.py           requests, errors and checks every vLLM backend shares
+    server.py         the hidden-state extraction server's command, start and stop
+    cpu_connector.py  vLLM's hidden-states connector for CPU (loaded by the server, never by the trainer)
+"""

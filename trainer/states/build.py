@@ -1,12 +1,8 @@
-"""(split from trainer/run.py)"""
+"""The hidden-state source a run config names (`train.hidden_states`: in_process, vllm, cache or hybrid), built and
+checked before the first step, and its report and shutdown. Training and the cache writer build sources here.
+"""
 
-import os
-import sys
 
-if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-    sys.path.insert(0, _root)
 import logging
 
 from trainer.config import RunConfig  # noqa: E402
@@ -33,9 +29,9 @@ def build_source(config: RunConfig, verifier, aux_layer_ids: list[int], rank: in
         if t.hidden_states == "vllm":
             return online
     from trainer.states.hybrid import HybridSource
-    from trainer.states.offline import StatesCache
+    from trainer.states.offline_cache import OfflineCache
 
-    cache = StatesCache(t.states_cache_dir, teacher=verifier_teacher(verifier), aux_layer_ids=aux_layer_ids)
+    cache = OfflineCache(t.states_cache_dir, teacher=verifier_teacher(verifier), aux_layer_ids=aux_layer_ids)
     return cache if online is None else HybridSource(cache, online)
 
 

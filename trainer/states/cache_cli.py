@@ -1,4 +1,9 @@
-"""(split from trainer/states/offline_format.py)"""
+"""The offline-cache command: compute the verifier states of every document a run config trains on and write them
+to a cache directory (trainer/states/cache_format.py has its layout), with the in-process verifier or the vLLM
+servers the config names.
+
+    python -m trainer states-cache --config configs/smollm2-135m.yaml --cache_dir DIR [--shard_tokens N] [--key value]
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ import torch
 
 from trainer.config import aux_layer_ids_for_config
 from trainer.errors import UsageError, run_cli
-from trainer.states.offline import as_document, write_cache
-from trainer.states.offline_format import DEFAULT_SHARD_TOKENS, check_plan, dtype_name, make_plan
+from trainer.states.cache_format import DEFAULT_SHARD_TOKENS, check_plan, dtype_name, make_plan
+from trainer.states.offline_cache import as_document, write_cache
 
 logger = logging.getLogger("dspark")
 

@@ -1,11 +1,13 @@
-"""(split from trainer/states/offline_format.py)"""
+"""`HybridSource`: documents the offline cache holds are read from it, the rest come from an online source (vLLM),
+so a partly written cache still serves a run.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from trainer.errors import DSparkError, UsageError
-from trainer.states.offline import StatesCache
+from trainer.states.offline_cache import OfflineCache
 from trainer.states.source import DocumentStateSource, document_key
 from trainer.verifier.teacher import Teacher
 
@@ -14,7 +16,7 @@ class HybridSource(DocumentStateSource):
     """Cached documents from the cache, the others from `fallback` (an online source), in one fallback call per
     batch; states come out in the cache's dtype. Counts what each side served (`served`, `share()`, `report()`)."""
 
-    def __init__(self, cache: StatesCache, fallback: DocumentStateSource, fallback_name: str | None = None):
+    def __init__(self, cache: OfflineCache, fallback: DocumentStateSource, fallback_name: str | None = None):
         if list(fallback.aux_layer_ids) != cache.aux_layer_ids or fallback.hidden_size != cache.hidden_size:
             raise UsageError(f"the cache {cache.cache_dir} holds aux layers {cache.aux_layer_ids} of hidden size "
                              f"{cache.hidden_size}, but the fallback serves {list(fallback.aux_layer_ids)} of "

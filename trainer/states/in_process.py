@@ -1,4 +1,7 @@
-"""(split from trainer/states/source.py)"""
+"""`InProcessVerifier`, the default hidden-state source: a frozen Hugging Face verifier inside the training
+process, one no-grad decoder forward per group of documents (each document on its own, so a packed row never
+leaks context across documents), with the full-vocabulary output head skipped.
+"""
 
 import torch
 from torch import nn

@@ -1,4 +1,6 @@
-"""(split from trainer/states/source.py)"""
+"""`MemoryRowCache`: an in-memory cache of each packed row's states in front of another source, for multi-epoch
+runs on small data (not to be confused with the offline cache on disk, trainer/states/offline_cache.py).
+"""
 
 import torch
 
@@ -6,7 +8,7 @@ from trainer.states.source import HiddenStateSource, VerifierStates
 from trainer.verifier.teacher import Teacher
 
 
-class CachedStates(HiddenStateSource):
+class MemoryRowCache(HiddenStateSource):
     """Keeps the verifier states of each packed row after computing them once, for multi-epoch runs on small
     data where the frozen verifier's forward dominates the step (the CPU demo). Rows are keyed by
     `row_index`, so use one instance per dataset; caching stops at `max_bytes` (later rows are recomputed)."""

@@ -16,10 +16,10 @@ document's states by `document_key` (a hash of its ids) and `DocumentStateSource
 batch, one implementation for all of them:
 
     source                      where the states come from                      module
-    InProcessVerifier           the verifier in this process                    here
+    InProcessVerifier           the verifier in this process                    trainer/states/in_process.py
     VLLMStateSource             vLLM servers (extract_hidden_states), online    trainer/states/vllm.py
-    StatesCache                 safetensors shards written before training      trainer/states/offline_format.py
-    HybridSource                the cache, else an online source                trainer/states/offline_format.py
+    OfflineCache                 safetensors shards written before training      trainer/states/cache_format.py
+    HybridSource                the cache, else an online source                trainer/states/hybrid.py
 """
 
 import hashlib

@@ -1,4 +1,7 @@
-"""(split from trainer/train/loss.py)"""
+"""Which blocks are trained (docs/algorithm.md): anchor candidates and their sampling (up to N per document, on
+supervised positions), the block supervision mask and the per-position decay `exp(-k/gamma)`. Training and the
+teacher-forced evaluation both sample anchors here.
+"""
 
 import torch
 

@@ -1,4 +1,6 @@
-"""(split from trainer/train/loss.py)"""
+"""The training statistics: the layout of the additive per-batch statistics vector the loss fills, and its reduction
+(across batches and processes) to the teacher-forced acceptance and confidence metrics the Trainer logs.
+"""
 
 import math
 

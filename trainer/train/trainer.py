@@ -35,7 +35,7 @@ from trainer.errors import (
     UsageError,
     is_disk_full,  # noqa: E402
 )
-from trainer.states.memory import CachedStates
+from trainer.states.memory import MemoryRowCache
 from trainer.states.source import HiddenStateSource
 from trainer.train.anchors import sample_anchors
 from trainer.train.calibration import unfold_head
@@ -73,8 +73,8 @@ class DSparkTrainer(Trainer):
         self.save_total_limit = save_total_limit
         self.source = source
         cache_bytes = int((run_config.train.cache_verifier_states_gb if run_config else 0) * 2**30)
-        self.train_source = CachedStates(source, cache_bytes) if cache_bytes else source
-        self.eval_source = CachedStates(source, cache_bytes) if cache_bytes else source
+        self.train_source = MemoryRowCache(source, cache_bytes) if cache_bytes else source
+        self.eval_source = MemoryRowCache(source, cache_bytes) if cache_bytes else source
         self.objective = objective
         self.run_config = run_config
         self.data_stats = data_stats

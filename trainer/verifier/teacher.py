@@ -1,4 +1,7 @@
-"""(split from trainer/train/loss.py)"""
+"""The teacher: the verifier's own next-token distribution at the drafted positions, from its pre-norm last-layer
+states through its final norm, output head and softcap. Every hidden-state source provides one, and the loss
+reads it; it lives with the verifier, not with the loss, so the states layer does not depend on the loss.
+"""
 
 import math
 

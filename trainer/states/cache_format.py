@@ -1,13 +1,11 @@
-"""The offline hidden-state cache: the verifier's states of every training document, computed once before
+"""The offline hidden-state cache's on-disk format: the verifier's states of every training document, computed once before
 training and read back by `document_key`, so a run (or many runs over the same data) never runs the verifier.
-
-    python -m trainer.states.offline_format --config configs/smollm2-135m.yaml --cache_dir DIR [--shard_tokens N] [--key value]
 
 Data flow:
 
     run config --prepare_data--> train + validation conversations (one document each, its `input_ids`)
         --write_cache(source)--> DIR (any DocumentStateSource: the in-process verifier here, vLLM servers later)
-    training: StatesCache(DIR)           every document from the cache (a missing one is an error)
+    training: OfflineCache(DIR)           every document from the cache (a missing one is an error)
               HybridSource(cache, vllm)  cached documents from the cache, the rest from the online source
 
 File layout of DIR:

@@ -1,4 +1,7 @@
-"""(split from trainer/states/offline_format.py)"""
+"""The offline cache's writer and reader: `write_cache` runs any per-document source over a run's documents and
+writes the shards durably and resumably; `OfflineCache` serves them back by `document_key` during training.
+The on-disk format (plan, shards, completion marker) is in trainer/states/cache_format.py.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from trainer.errors import DSparkError, UsageError, is_disk_full
-from trainer.states.offline_format import (
+from trainer.states.cache_format import (
     COMPLETE_FILE,
     DEFAULT_SHARD_TOKENS,
     DEFAULT_TOKENS_PER_CALL,
@@ -194,7 +197,7 @@ class MissingStatesError(UsageError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class StatesCache(DocumentStateSource):
+class OfflineCache(DocumentStateSource):
     """A finished cache directory as a hidden-state source. Rows are read lazily from memory-mapped shards
     (`get_slice`), so memory holds only the requested documents; at most `max_open_shards` shard handles stay
     open (least recently used closed first)."""
@@ -205,7 +208,7 @@ class StatesCache(DocumentStateSource):
         plan = read_plan(cache_dir)
         if plan is None:
             raise UsageError(f"{cache_dir} holds no hidden-state cache (no {PLAN_FILE}); build it with `python -m "
-                             f"trainer.states.offline_format --config ... --cache_dir {cache_dir}`.")
+                             f"trainer.states.cache_format --config ... --cache_dir {cache_dir}`.")
         if plan.get("format_version") != FORMAT_VERSION:
             raise UsageError(f"cache {cache_dir} has format version {plan.get('format_version')}, this code reads "
                              f"{FORMAT_VERSION}; rebuild it into a new cache_dir.")
@@ -241,7 +244,7 @@ class StatesCache(DocumentStateSource):
 
     def teacher(self) -> Teacher:
         if self._teacher is None:
-            raise UsageError(f"the StatesCache on {self.cache_dir} was opened without a teacher; pass teacher= (e.g. "
+            raise UsageError(f"the OfflineCache on {self.cache_dir} was opened without a teacher; pass teacher= (e.g. "
                              f"trainer.verifier.teacher.verifier_teacher of the verifier shell) to train from it.")
         return self._teacher
 
