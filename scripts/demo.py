@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t = step("2/5 data: regenerate the 270 training responses with the verifier (greedy, 128 tokens; reused)")
     conversations = os.path.join(out, "conversations.jsonl")
-    run([py, "-m", "trainer.data.regenerate", "--verifier", VERIFIER, "--prompts", "data/demo/prompts.jsonl",
+    run([py, "-m", "trainer", "regenerate", "--verifier", VERIFIER, "--prompts", "data/demo/prompts.jsonl",
          "--split", "train", "--out", conversations, "--temperature", "0", "--max-new-tokens", "128"])
     print(f"({time.time() - t:.0f} s)")
 
@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> None:
              "verifier alone on 3 prompts per subset for tokens/s")
     results = [os.path.join(out, "eval-greedy.json")]
     best = os.path.join(drafter, BEST_LINK)  # the weights push_to_hub stages, so the results pair with them
-    run([py, "-m", "trainer.evaluation.in_process", "--drafter", best, "--verifier", VERIFIER, "--prompts",
+    run([py, "-m", "trainer", "evaluate", "--drafter", best, "--verifier", VERIFIER, "--prompts",
          "data/demo/heldout", "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--throughput",
          "--throughput-prompts", "3",
          "--out", results[0]])
     if args.sampled:
         results.append(os.path.join(out, "eval-sampled.json"))
-        run([py, "-m", "trainer.evaluation.in_process", "--drafter", best, "--verifier", VERIFIER, "--prompts",
+        run([py, "-m", "trainer", "evaluate", "--drafter", best, "--verifier", VERIFIER, "--prompts",
              "data/demo/heldout", "--temperature", "1.0", "--max-new-tokens", str(args.max_new_tokens),
              "--out", results[1]])
     print(f"({time.time() - t:.0f} s)")

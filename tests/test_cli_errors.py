@@ -163,7 +163,7 @@ def test_rotation_never_counts_an_incomplete_checkpoint_as_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
 
 
-# ------------------------------------------------------------------------------------------ trainer.evaluation.in_process
+# ------------------------------------------------------------------------------------------------ evaluate
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory, qwen3_verifier):
     from tiny import tiny_drafter
@@ -282,44 +282,44 @@ EVERY_CLI = [
      "train.max_steps: expected a number, got 'abc'"),
     ("trainer/run.py", "bad value", ["--verifier", "x", "--train_data", "y", "--learning_rate", "0"],
      "train.learning_rate is 0.0, but it must be > 0"),
-    ("trainer.evaluation.in_process", "unknown flag", ["--drafter", "d", "--out", "r.json", "--no-such-flag"], UNKNOWN),
-    ("trainer.evaluation.in_process", "missing argument", ["--out", "r.json"], REQUIRED + "--drafter"),
-    ("trainer.evaluation.in_process", "missing file", ["--drafter", "./no-such-drafter", "--out", "r.json"],
+    ("evaluate", "unknown flag", ["--drafter", "d", "--out", "r.json", "--no-such-flag"], UNKNOWN),
+    ("evaluate", "missing argument", ["--out", "r.json"], REQUIRED + "--drafter"),
+    ("evaluate", "missing file", ["--drafter", "./no-such-drafter", "--out", "r.json"],
      "drafter directory ./no-such-drafter does not exist"),
-    ("trainer.evaluation.in_process", "wrong type", ["--drafter", "d", "--out", "r.json", "--max-prompts", "abc"],
+    ("evaluate", "wrong type", ["--drafter", "d", "--out", "r.json", "--max-prompts", "abc"],
      "argument --max-prompts: " + NOT_INT),
-    ("trainer.data.regenerate", "unknown flag", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
+    ("regenerate", "unknown flag", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
                                             "--no-such-flag"], UNKNOWN),
-    ("trainer.data.regenerate", "missing argument", ["--verifier", "v", "--out", "o.jsonl"], REQUIRED + "--prompts"),
-    ("trainer.data.regenerate", "missing file", ["--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl",
+    ("regenerate", "missing argument", ["--verifier", "v", "--out", "o.jsonl"], REQUIRED + "--prompts"),
+    ("regenerate", "missing file", ["--verifier", "./no-such-verifier", "--prompts", "./no-such.jsonl",
                                             "--out", "o.jsonl"], "prompt file ./no-such.jsonl does not exist"),
-    ("trainer.data.regenerate", "wrong type", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
+    ("regenerate", "wrong type", ["--verifier", "v", "--prompts", "p.jsonl", "--out", "o.jsonl",
                                           "--batch-size", "abc"], "argument --batch-size: " + NOT_INT),
-    ("trainer.evaluation.vllm", "unknown flag", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--no-such-flag"],
+    ("evaluate-vllm", "unknown flag", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--no-such-flag"],
      UNKNOWN),
-    ("trainer.evaluation.vllm", "missing argument", ["--out", "r.json"], REQUIRED + "--server"),
-    ("trainer.evaluation.vllm", "missing file", ["--server", "http://127.0.0.1:1", "--prompts", "./no-such-prompts",
+    ("evaluate-vllm", "missing argument", ["--out", "r.json"], REQUIRED + "--server"),
+    ("evaluate-vllm", "missing file", ["--server", "http://127.0.0.1:1", "--prompts", "./no-such-prompts",
                                            "--out", "r.json"], "prompt directory ./no-such-prompts does not exist"),
-    ("trainer.evaluation.vllm", "wrong type", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--max-prompts",
+    ("evaluate-vllm", "wrong type", ["--server", "http://127.0.0.1:1", "--out", "r.json", "--max-prompts",
                                          "abc"], "argument --max-prompts: " + NOT_INT),
-    # trainer.states.cache_format parses its own four flags and passes the rest to the run config
-    ("trainer.states.cache_format", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
+    # states-cache parses its own four flags and passes the rest to the run config
+    ("states-cache", "unknown flag", ["--config", CONFIG, "--cache_dir", "c", "--no_such_flag", "1"],
      "unknown option --no_such_flag"),
-    ("trainer.states.cache_format", "missing argument", [], "no --cache_dir was given"),
-    ("trainer.states.cache_format", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
+    ("states-cache", "missing argument", [], "no --cache_dir was given"),
+    ("states-cache", "missing file", ["--config", "nope.yaml", "--cache_dir", "c"],
      "config file nope.yaml does not exist"),
-    ("trainer.states.cache_format", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
-     "--shard_tokens abc is not an integer"),
-    # trainer.serving.server: flags it does not know are run config overrides
-    ("trainer.serving.server", "unknown flag", ["--config", CONFIG, "--no_such_flag", "1"],
+    ("states-cache", "wrong type", ["--config", CONFIG, "--cache_dir", "c", "--shard_tokens", "abc"],
+     "argument --shard_tokens: invalid int value: 'abc'"),
+    # vllm-server: flags it does not know are run config overrides
+    ("vllm-server", "unknown flag", ["--config", CONFIG, "--no_such_flag", "1"],
      "unknown option --no_such_flag"),
-    ("trainer.serving.server", "missing argument", [], REQUIRED + "--config"),
-    ("trainer.serving.server", "missing file", ["--config", "nope.yaml"], "config file nope.yaml does not exist"),
-    ("trainer.serving.server", "wrong type", ["--config", CONFIG, "--port", "abc"], "argument --port: " + NOT_INT),
-    # trainer.verifier.small_models: no missing file (a name that is not registered is passed on unchanged, as a Hub id
+    ("vllm-server", "missing argument", [], REQUIRED + "--config"),
+    ("vllm-server", "missing file", ["--config", "nope.yaml"], "config file nope.yaml does not exist"),
+    ("vllm-server", "wrong type", ["--config", CONFIG, "--port", "abc"], "argument --port: " + NOT_INT),
+    # small-models: no missing file (a name that is not registered is passed on unchanged, as a Hub id
     # or a directory for the caller to check) and no typed flag
-    ("trainer.verifier.small_models", "unknown flag", ["x", "--no-such-flag"], UNKNOWN),
-    ("trainer.verifier.small_models", "missing argument", [], REQUIRED + "names"),
+    ("small-models", "unknown flag", ["x", "--no-such-flag"], UNKNOWN),
+    ("small-models", "missing argument", [], REQUIRED + "names"),
     # push_to_hub.py: no typed flag; the closest is a malformed --repo-id
     ("push_to_hub.py", "unknown flag", ["--checkpoint", "c", "--repo-id", "me/x", "--no-such-flag"], UNKNOWN),
     ("push_to_hub.py", "missing argument", ["--repo-id", "me/x"], REQUIRED + "--checkpoint"),
@@ -398,7 +398,7 @@ EVERY_CLI = [
 
 @pytest.mark.parametrize("entry, case, args, cause", EVERY_CLI, ids=[f"{e} {c}" for e, c, _, _ in EVERY_CLI])
 def test_every_cli_prints_one_line_and_exits_2(entry, case, args, cause, tmp_path):
-    command = [str(ROOT / entry)] if entry.endswith(".py") else ["-m", entry]
+    command = [str(ROOT / entry)] if entry.endswith(".py") else ["-m", "trainer", entry]
     env = {k: v for k, v in os.environ.items() if k != "DSPARK_DEBUG"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

@@ -321,7 +321,7 @@ def resume_calibrated(chat_verifier_dir, chat_data_file, out: Path, log: Path) -
 
 # ------------------------------------------------------------------------------------------ the offline cache
 def cache_args(verifier, data, cache_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.states.cache_format", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
+    return [sys.executable, "-m", "trainer", "states-cache", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
             "--verifier", verifier, "--train_data", data, "--max_seq_length", "128", "--total_seq_length", "256"]
 
 
@@ -454,7 +454,7 @@ def test_kill_9_and_a_full_disk_during_push_staging(calibrated, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ regeneration
-# `python -m trainer.data.regenerate` runs the module as __main__, which the fault hook cannot patch before it runs;
+# `python -m trainer regenerate` runs the module as __main__, which the fault hook cannot patch before it runs;
 # this is the same entry point (its `if __name__ == "__main__"` line) under its importable name.
 REGENERATE = "import sys; from trainer.errors import run_cli; from trainer.data.regenerate import main; sys.exit(run_cli(main))"
 

@@ -138,7 +138,7 @@ def test_the_refusal_names_the_server_and_the_fix(tmp_path, stand_in):
     assert str(refused.value) == (
         f"the vLLM server {server.url} named the hidden-states file '../x.safetensors', which is not a "
         f"`<request id>.safetensors` file of its states directory, so it is neither read nor deleted; point "
-        f"train.vllm_urls at a server of this run (start it with the command `python -m trainer.serving.server "
+        f"train.vllm_urls at a server of this run (start it with the command `python -m trainer vllm-server "
         f"--config <run config>` prints).")
     server = stand_in(answering("/server/mount/cmpl-link-0.safetensors"))
     with pytest.raises(VLLMStatesError, match=rf"^the hidden-states file {hs}/cmpl-link-0.safetensors that the vLLM "

@@ -154,7 +154,7 @@ def test_concurrent_resolves_convert_once_and_atomically(tmp_path, monkeypatch):
 
 def test_cli_prints_the_resolved_path(smollm2_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "trainer.verifier.small_models", SMOLLM2],
+        [sys.executable, "-m", "trainer", "small-models", SMOLLM2],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -79,7 +79,7 @@ def source(tmp_path, urls, **kwargs):
 
 def test_an_unreachable_server_is_named_before_training_and_stops_a_run_after_bounded_failures(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {url} is unreachable .*trainer.serving.server"):
+    with pytest.raises(VLLMStatesError, match=rf"the vLLM server {url} is unreachable .*trainer vllm-server"):
         source(tmp_path, [url]).check()
     # During training: each document gets 1 + retries attempts; max_failures consecutive ones stop the run.
     src = source(tmp_path, [url], retries=5, max_failures=3, backoff=0.01)

@@ -172,8 +172,8 @@ class TrainArgs:
     cache_verifier_states_gb: float = 0.0  # > 0: keep each row's verifier states in memory across epochs (small runs)
     record_batches: bool = False  # write the rows each rank trains on to <output_dir>/batches-rank<r>.jsonl
     # Where the verifier's hidden states come from (trainer/states/source.py): in_process (the verifier in every
-    # training process), vllm (servers started as `python -m trainer.serving.server` prints, read online and deleted),
-    # cache (shards written by `python -m trainer.states.cache_format`), hybrid (the cache, else the servers).
+    # training process), vllm (servers started as `python -m trainer vllm-server` prints, read online and deleted),
+    # cache (shards written by `python -m trainer states-cache`), hybrid (the cache, else the servers).
     hidden_states: str = "in_process"
     vllm_urls: list[str] = field(default_factory=list)  # e.g. [http://10.0.0.5:8000]; spread over, or one per rank
     vllm_states_dir: str | None = None  # the servers' shared_storage_path, as the trainer's machine sees it
@@ -328,11 +328,11 @@ class RunConfig:
             raise UsageError(f"train.hidden_states must be one of {', '.join(sources)} (got {t.hidden_states!r}).")
         if t.hidden_states in ("vllm", "hybrid") and not (t.vllm_urls and t.vllm_states_dir):
             raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.vllm_urls and "
-                             f"train.vllm_states_dir; start a server with `python -m trainer.serving.server --config ...` "
+                             f"train.vllm_states_dir; start a server with `python -m trainer vllm-server --config ...` "
                              f"and pass its URL and hidden-states directory.")
         if t.hidden_states in ("cache", "hybrid") and not t.states_cache_dir:
             raise UsageError(f"train.hidden_states is {t.hidden_states}, which needs train.states_cache_dir; build one "
-                             f"with `python -m trainer.states.cache_format --config ... --cache_dir DIR` and pass DIR.")
+                             f"with `python -m trainer states-cache --config ... --cache_dir DIR` and pass DIR.")
         if m.attn_implementation not in ("auto", "sdpa", "eager", "flex_attention"):
             raise UsageError(f"model.attn_implementation must be auto, sdpa, eager or flex_attention "
                              f"(got {m.attn_implementation!r}).")

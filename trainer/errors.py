@@ -44,7 +44,31 @@ class Parser(argparse.ArgumentParser):
     """`argparse.ArgumentParser` whose errors (an unknown flag, a missing argument, a value of the wrong type or
     outside the choices) raise a `UsageError` instead of printing the usage block and exiting: `run_cli` then
     reports them in one line like any other bad input, and in-process callers can catch them. Subcommand
-    parsers inherit the class."""
+    parsers inherit the class.
+
+    Every flag answers to both spellings, `--max-new-tokens` and `--max_new_tokens`, whichever the parser
+    declares: run-config keys are underscored (they are the YAML keys) and command flags dashed, and a user should
+    not have to remember which is which. Abbreviations are off, so a run-config override such as `--conf...` is never
+    taken for a command flag it happens to prefix."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args([self._declared_spelling(a) for a in args], namespace)
+
+    def _declared_spelling(self, arg: str) -> str:
+        if not arg.startswith("--") or arg == "--":
+            return arg
+        flag, eq, value = arg.partition("=")
+        if flag in self._option_string_actions:
+            return arg
+        for other in ("--" + flag[2:].replace("_", "-"), "--" + flag[2:].replace("-", "_")):
+            if other in self._option_string_actions:
+                return other + eq + value
+        return arg
 
     def error(self, message: str) -> NoReturn:
         fix = "run with --help to see the flags and what each takes"

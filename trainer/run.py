@@ -1,7 +1,7 @@
 """Train a DSpark drafter.
 
     accelerate launch trainer/run.py --config configs/gemma-4-E4B-it.yaml [--key value ...]
-    python trainer/run.py --config configs/smollm2-135m.yaml --max_steps 50     # one process
+    python -m trainer train --config configs/smollm2-135m.yaml --max_steps 50   # one process
 
 Steps: resolve the verifier and its tokenizer; render, tokenise (cached), split and pack the chat data;
 choose the draft vocabulary from the training split; load the frozen verifier in-process; build (or
@@ -14,6 +14,7 @@ drafter and the best checkpoint (trainer/train/calibration.py). The last log lin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -31,8 +32,9 @@ from trainer.config import RunConfig  # noqa: E402
 from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
 from trainer.data.prepare import DATA_EXTENSIONS, check_enough_supervision, len_vocab, prepare_data
 from trainer.data.vocab import build_draft_vocab  # noqa: E402
-from trainer.errors import DSparkError, UsageError, is_disk_full, run_cli  # noqa: E402
+from trainer.errors import DSparkError, Parser, UsageError, is_disk_full, run_cli  # noqa: E402
 from trainer.states.build import build_source, close_source, source_report
+from trainer.states.source import HiddenStateSource
 from trainer.train.calibration import HEAD_BIAS, HEAD_WEIGHT
 from trainer.train.checkpoints import (
     RunLock,
@@ -69,25 +71,12 @@ logger = logging.getLogger("dspark")
 
 
 def parse_args(argv: list[str]) -> RunConfig:
-    config_path = None
-    rest = []
-    i = 0
-    while i < len(argv):
-        if argv[i] in ("-h", "--help"):
-            print(__doc__)
-            raise SystemExit(0)
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
-                raise UsageError("--config needs a YAML file; pass e.g. --config configs/gemma-4-E4B-it.yaml.")
-            config_path = argv[i + 1]
-            i += 2
-        elif argv[i].startswith("--config="):
-            config_path = argv[i].split("=", 1)[1]
-            i += 1
-        else:
-            rest.append(argv[i])
-            i += 1
-    return RunConfig.load(config_path, rest)
+    """`--config FILE`, then any run-config key as `--key value` (either spelling); the command line wins."""
+    parser = Parser(prog="accelerate launch trainer/run.py", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="the run config (YAML), e.g. configs/smollm2-135m.yaml")
+    args, overrides = parser.parse_known_args(argv)
+    return RunConfig.load(args.config, overrides)
 
 
 class Terminated(DSparkError):
@@ -138,14 +127,42 @@ def train(config: RunConfig) -> dict:
 
 
 def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
-    m, d, t = config.model, config.data, config.train
-    transformers.set_seed(t.seed)
-    has_validation = d.validation_ratio > 0
-    args = build_training_arguments(config, has_validation)
+    """Build everything, then run: each step below is one function of this module, in this order."""
+    transformers.set_seed(config.train.seed)
+    args = build_training_arguments(config, has_validation=config.data.validation_ratio > 0)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         stream=sys.stdout)
     if not args.should_log:
         logger.setLevel(logging.WARNING)
+    clear_previous_run(config, args)
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    data = build_data(config, tokenizer, verifier_path, args)
+    if data.eval_rows is None and config.data.validation_ratio > 0:  # the validation split came out empty
+        args = build_training_arguments(config, has_validation=False)
+    verifier = build_verifier(config, verifier_path, args.device)
+    drafter, model = build_models(config, verifier, tokenizer, data.vocab_ids, args.device)
+    source = build_source(config, verifier, drafter.config.aux_hidden_state_layer_ids, args.process_index,
+                          args.world_size)
+    resume = resume_checkpoint(config, args, drafter.config)
+    trainer = build_trainer(config, args, model, drafter, tokenizer, source, data)
+    return run(config, trainer, drafter, source, data, resume, started)
+
+
+@dataclasses.dataclass
+class TrainingData:
+    """The prepared splits, packed into rows, and what the run records about them."""
+
+    train_set: object
+    validation_set: object
+    train_rows: PackedDataset
+    eval_rows: PackedDataset | None
+    vocab_ids: object
+    stats: dict
+
+
+def clear_previous_run(config: RunConfig, args: TrainingArguments) -> None:
+    """`overwrite_output_dir` (without a resume): the previous run's files go before anything is written."""
+    t = config.train
     if t.overwrite_output_dir and not t.resume_from_checkpoint:
         if args.should_save:
             removed = clear_run(t.output_dir)
@@ -154,32 +171,54 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
                                t.output_dir)
         args_barrier(args)
 
-    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
 
+def build_data(config: RunConfig, tokenizer, verifier_path: str, args: TrainingArguments) -> TrainingData:
+    """Render, tokenise (cached, the main process first), split, choose the draft vocabulary and pack."""
+    m, d = config.model, config.data
     with args.main_process_first(desc="preparing the chat data"):
         train_set, validation_set, stats = prepare_data(config, tokenizer)
         vocab_ids = None
         if not m.init_from and m.draft_vocab_size is not None:
             vocab_ids = build_draft_vocab(train_set, len_vocab(verifier_path), m.draft_vocab_size)
     check_enough_supervision(train_set, m.block_size)
+    has_validation = d.validation_ratio > 0
     if has_validation and len(validation_set) == 0:
         logger.warning("the validation split is empty (too few conversations); training without evaluation")
         has_validation = False
-        args = build_training_arguments(config, has_validation)
+    train_rows = PackedDataset(train_set, pack_conversations(list(train_set["length"]), d.total_seq_length,
+                                                             seed=d.split_seed))
+    eval_rows = None
+    if has_validation:
+        eval_rows = PackedDataset(validation_set, pack_conversations(list(validation_set["length"]),
+                                                                     d.total_seq_length, seed=d.split_seed))
+    logger.info("packed %d training conversations into %d rows of <= %d tokens (%d validation rows)",
+                len(train_set), len(train_rows), d.total_seq_length, len(eval_rows) if eval_rows else 0)
+    data_stats = {**dataclasses.asdict(stats), "train_conversations": len(train_set),
+                  "validation_conversations": len(validation_set), "train_rows": len(train_rows),
+                  "validation_rows": len(eval_rows) if eval_rows else 0,
+                  "train_supervised_tokens": int(sum(train_set["num_supervised"]))}
+    return TrainingData(train_set, validation_set, train_rows, eval_rows, vocab_ids, data_stats)
 
+
+def build_verifier(config: RunConfig, verifier_path: str, device):
+    """The whole frozen verifier for in-process states; for states from servers or a cache, only the embedding,
+    final norm and head the drafter and the teacher need."""
+    m, t = config.model, config.train
     if t.hidden_states == "in_process":
         logger.info("loading the verifier %s (%s)", m.verifier, verifier_path)
-        verifier = load_verifier(verifier_path, dtype=m.verifier_dtype, device=args.device)
-    else:  # the states come from servers or a cache: only the embedding, final norm and head are needed here
-        logger.info("loading the embedding, final norm and head of the verifier %s (%s); hidden states from %s",
-                    m.verifier, verifier_path, t.hidden_states)
-        verifier = load_verifier_shell(verifier_path, dtype=m.verifier_dtype, device=args.device)
+        return load_verifier(verifier_path, dtype=m.verifier_dtype, device=device)
+    logger.info("loading the embedding, final norm and head of the verifier %s (%s); hidden states from %s",
+                m.verifier, verifier_path, t.hidden_states)
+    return load_verifier_shell(verifier_path, dtype=m.verifier_dtype, device=device)
+
+
+def build_models(config: RunConfig, verifier, tokenizer, vocab_ids, device) -> tuple[DSparkDraftModel, object]:
+    """The drafter, and the model the Trainer optimises: the drafter itself, or its LoRA wrapper."""
+    m = config.model
     drafter = build_drafter(config, verifier, tokenizer, vocab_ids)
-    source = build_source(config, verifier, drafter.config.aux_hidden_state_layer_ids, args.process_index,
-                          args.world_size)
     attn = m.attn_implementation
     if attn == "auto":
-        attn = "flex_attention" if args.device.type == "cuda" else "sdpa"
+        attn = "flex_attention" if device.type == "cuda" else "sdpa"
     drafter.config._attn_implementation = attn
     model = drafter
     if m.lora_rank:
@@ -190,48 +229,46 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     logger.info("drafter: %d layers, block %d, draft vocab %d, aux layers %s, %.1fM trainable parameters",
                 drafter.config.num_hidden_layers, drafter.config.block_size, drafter.config.draft_vocab_size,
                 drafter.config.aux_hidden_state_layer_ids, trainable / 1e6)
+    return drafter, model
 
-    train_rows = pack_conversations(list(train_set["length"]), d.total_seq_length, seed=d.split_seed)
-    train_data = PackedDataset(train_set, train_rows)
-    eval_data = None
-    if has_validation:
-        eval_data = PackedDataset(validation_set, pack_conversations(list(validation_set["length"]),
-                                                                      d.total_seq_length, seed=d.split_seed))
-    logger.info("packed %d training conversations into %d rows of <= %d tokens (%d validation rows)",
-                len(train_set), len(train_data), d.total_seq_length, len(eval_data) if eval_data else 0)
-    data_stats = {**dataclasses.asdict(stats), "train_conversations": len(train_set),
-                  "validation_conversations": len(validation_set), "train_rows": len(train_data),
-                  "validation_rows": len(eval_data) if eval_data else 0,
-                  "train_supervised_tokens": int(sum(train_set["num_supervised"]))}
 
-    resume = None
-    if t.resume_from_checkpoint:
+def resume_checkpoint(config: RunConfig, args: TrainingArguments, drafter_config) -> str | None:
+    """The checkpoint `resume_from_checkpoint` names (`latest`: the newest complete one), after interrupted and
+    damaged checkpoints are set aside by the main process; None starts from scratch."""
+    t = config.train
+    if not t.resume_from_checkpoint:
+        return None
+    if args.should_save:
+        for moved in quarantine_incomplete(t.output_dir):
+            logger.warning("checkpoint %s was interrupted while saving; moved aside", moved)
+    args_barrier(args)
+    if t.resume_from_checkpoint == "latest":
         if args.should_save:
-            for moved in quarantine_incomplete(t.output_dir):
-                logger.warning("checkpoint %s was interrupted while saving; moved aside", moved)
+            latest_usable_checkpoint(t.output_dir)  # sets damaged checkpoints aside, once, before any rank looks
         args_barrier(args)
-        if t.resume_from_checkpoint == "latest":
-            if args.should_save:
-                latest_usable_checkpoint(t.output_dir)  # sets damaged checkpoints aside, once, before any rank looks
-            args_barrier(args)
-            resume = latest_checkpoint(t.output_dir)
-        else:
-            resume = t.resume_from_checkpoint
-        if resume is None:
-            logger.info("no complete checkpoint in %s yet; starting from scratch", t.output_dir)
-        else:
-            check_resume_compatible(resume, drafter.config)
-            logger.info("resuming from %s", resume)
+        resume = latest_checkpoint(t.output_dir)
+    else:
+        resume = t.resume_from_checkpoint
+    if resume is None:
+        logger.info("no complete checkpoint in %s yet; starting from scratch", t.output_dir)
+    else:
+        check_resume_compatible(resume, drafter_config)
+        logger.info("resuming from %s", resume)
+    return resume
 
+
+def build_trainer(config: RunConfig, args: TrainingArguments, model, drafter: DSparkDraftModel, tokenizer,
+                  source: HiddenStateSource, data: TrainingData) -> DSparkTrainer:
+    t = config.train
     optimizer = None
     if t.optimizer == "muon":
         optimizer = (MuonAdamWFactory, dict(lr=t.learning_rate, muon_lr=t.muon_learning_rate,
                                             weight_decay=t.weight_decay, muon_weight_decay=t.muon_weight_decay))
-    trainer = DSparkTrainer(
+    return DSparkTrainer(
         model=model,
         args=args,
-        train_dataset=train_data,
-        eval_dataset=eval_data,
+        train_dataset=data.train_rows,
+        eval_dataset=data.eval_rows,
         # A source with latency fetches each batch while the previous one trains (not under the in-memory row
         # cache, which would fetch rows it already holds).
         data_collator=DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0, on_batch=None if
@@ -240,9 +277,16 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
         source=source,
         objective=build_objective(config, drafter.config.block_size),
         run_config=config,
-        data_stats=data_stats,
+        data_stats=data.stats,
         save_total_limit=t.save_total_limit,
     )
+
+
+def run(config: RunConfig, trainer: DSparkTrainer, drafter: DSparkDraftModel, source: HiddenStateSource,
+        data: TrainingData, resume: str | None, started: float) -> dict:
+    """Train, save the final drafter, evaluate it, calibrate its confidence head and write the run summary."""
+    t = config.train
+    has_validation = data.eval_rows is not None
     # The initial evaluation runs inside train() (eval_on_start): calling trainer.evaluate() before train()
     # registers the unwrapped model with accelerate, and training then silently runs without DDP.
     trainer.args.eval_on_start = has_validation and t.eval_at_start and resume is None
@@ -278,8 +322,8 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
         "train_steps_per_second": result.metrics.get("train_steps_per_second"),
         "wall_time_s": time.time() - started,
     }
-    if args.should_save:
-        write_summary(t.output_dir, {**summary, "final_metrics": final, "data": data_stats})
+    if trainer.args.should_save:
+        write_summary(t.output_dir, {**summary, "final_metrics": final, "data": data.stats})
     if has_validation:
         logger.warning(
             "done: validation accept_len %.4f (initial %s) after %d steps in %.0f s; best checkpoint %s",

@@ -17,7 +17,7 @@ Two backends generate the replies:
   (`--batch-size`, longest prompts first within windows of rows), one round of batches per turn. For small
   models and CPUs.
 
-      python -m trainer.data.regenerate --verifier HuggingFaceTB/SmolLM2-135M-Instruct \\
+      python -m trainer regenerate --verifier HuggingFaceTB/SmolLM2-135M-Instruct \\
           --prompts data/demo/prompts.jsonl --split train --out out/demo/conversations.jsonl --temperature 0
 
 * `vllm`: a running OpenAI-compatible vLLM server of the verifier (`vllm serve google/gemma-4-E4B-it`), sent
@@ -27,7 +27,7 @@ Two backends generate the replies:
   exponential backoff on connection errors, timeouts and 5xx (`--retries`, `--timeout`). Before any work the
   server must answer `/v1/models` and list the verifier (or `--served-model-name`) as a model id or root.
 
-      python -m trainer.data.regenerate --backend vllm --server http://127.0.0.1:8000 \\
+      python -m trainer regenerate --backend vllm --server http://127.0.0.1:8000 \\
           --verifier google/gemma-4-E4B-it --prompts data/prompts.jsonl --out out/conversations.jsonl --concurrency 64
 
 Sampling is the verifier's own unless `--temperature/--top-p/--top-k` override it (`--temperature 0` is greedy).
@@ -57,13 +57,11 @@ import os
 import sys
 import time
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configuration_dspark import is_hub_id  # noqa: E402
+from configuration_dspark import is_hub_id
 from trainer.data.generators import TransformersGenerator, VLLMChatClient, vllm_sampling
-from trainer.data.render import normalize_messages  # noqa: E402
+from trainer.data.render import normalize_messages
 from trainer.data.replies import OrderedWriter, _read_finished, _read_jsonl, conversation_turns
-from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
+from trainer.errors import Parser, UsageError, run_cli
 
 logger = logging.getLogger("dspark")
 
@@ -208,7 +206,7 @@ def regenerate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = Parser(prog="python -m trainer.data.regenerate", description=__doc__,
+    parser = Parser(prog="python -m trainer regenerate", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--verifier", required=True, help="Hub id or local directory of the verifier")
     parser.add_argument("--prompts", required=True, help="JSONL with a `prompt` column, chat JSONL, or a Hub dataset")

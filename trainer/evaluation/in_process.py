@@ -19,7 +19,7 @@ top-k/top-p too (this backend's behaviour before the methods existed; not what v
 three are greedy. The output is the verifier's either way; only the acceptance differs, so to report what vLLM gets at
 T = 1 run both vLLM methods:
 
-    python -m trainer.evaluation.in_process --drafter D --prompts P --temperature 1 --draft-method probabilistic --out X.json
+    python -m trainer evaluate --drafter D --prompts P --temperature 1 --draft-method probabilistic --out X.json
 
 At temperature 0 every prompt also gets a *fidelity check* (on by default, `--no-fidelity-check` turns it off):
 the drafter's training `forward` is run teacher-forced on the generated sequence (one plain verifier forward
@@ -34,7 +34,7 @@ The JSON format (`dspark-acceptance/1`) and its reduction (the `dspark_acceptanc
 `trainer/evaluation/results.py`, shared by every backend (this in-process one; a vLLM server backend writes the same
 file); `push_to_hub.py` renders it into the model card.
 
-    python -m trainer.evaluation.in_process --drafter out/smollm2-135m-dspark --prompts data/demo/heldout \
+    python -m trainer evaluate --drafter out/smollm2-135m-dspark --prompts data/demo/heldout \
         --temperature 0 --max-new-tokens 128 --out out/eval-greedy.json
 """
 
@@ -47,9 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
+from trainer.errors import Parser, UsageError, run_cli
 from trainer.evaluation.prompts import load_prompt_sets
 from trainer.evaluation.results import (
     DRAFT_METHODS,
@@ -59,7 +57,9 @@ from trainer.evaluation.results import (
     with_provenance,
     write_results,
 )
-from trainer.verifier.loading import generation_kwargs, resolve_sampling  # noqa: E402
+from trainer.verifier.loading import generation_kwargs, resolve_sampling
+
+PROG = "python -m trainer evaluate"
 
 __all__ = ["AcceptanceStats", "FidelityCheck", "FidelityWarning", "evaluate_in_process", "format_table",
            "load_prompt_sets", "main", "step_anchors", "teacher_forced_acceptance", "write_results"]
@@ -246,7 +246,7 @@ def evaluate_in_process(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory or Hub id")
     parser.add_argument("--verifier", default=None,
                         help="verifier Hub id or directory (default: the one named in the drafter's config)")

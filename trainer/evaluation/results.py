@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from configuration_dspark import is_hub_id
+from trainer import REPO_ROOT
 from trainer.errors import UsageError
 from trainer.evaluation.metrics.dspark_acceptance.dspark_acceptance import means
 
@@ -62,7 +63,6 @@ DRAFT_DESCRIPTIONS = {
     "filtered": "sampled from the draft logits with the verifier's temperature, top-k and top-p (not a method vLLM "
                 "serves)",
 }
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ResultsError(UsageError):
@@ -80,7 +80,7 @@ def is_hub_dataset(name) -> bool:
     the package root, so a relative path is also looked up there, not only in the cwd."""
     return isinstance(name, str) and "/" in name and not name.startswith((".", "/", "~")) and \
         not name.endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow")) and is_hub_id(name) and \
-        not (_REPO_ROOT / name).exists()
+        not (REPO_ROOT / name).exists()
 
 
 # ------------------------------------------------------------------------------------------ measuring

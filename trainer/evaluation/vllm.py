@@ -1,6 +1,6 @@
 """Serving evaluation: a drafter's acceptance and speed measured where it is served, a running vLLM server.
 
-    python -m trainer.evaluation.vllm --server http://127.0.0.1:8000 --baseline http://127.0.0.1:8001 \
+    python -m trainer evaluate-vllm --server http://127.0.0.1:8000 --baseline http://127.0.0.1:8001 \
         --compare gemma-4-E4B-it-assistant=http://127.0.0.1:8002 --prompts RedHatAI/speculator_benchmarks \
         --max-new-tokens 256 --temperature 0 --drafter me/gemma-4-E4B-it-dspark --out out/eval-vllm.json
 
@@ -30,12 +30,11 @@ import argparse
 import os
 import sys
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
+from trainer.errors import Parser, UsageError, run_cli
 from trainer.evaluation.results import DRAFT_METHODS, AcceptanceStats, build_results, with_provenance, write_results
-from trainer.serving.http import VLLMServerError, check_serves, request_json, scrape_metrics, stream_chat  # noqa: E402
+from trainer.serving.http import VLLMServerError, check_serves, request_json, scrape_metrics, stream_chat
+
+PROG = "python -m trainer evaluate-vllm"
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -166,7 +165,7 @@ def evaluate_server(url: str, prompt_sets: dict[str, list[str]], *, sampling: di
 def main(argv: list[str] | None = None) -> dict:
     from trainer.evaluation.prompts import load_prompt_sets
 
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", required=True, help="URL of the vLLM server that serves the drafter")
     parser.add_argument("--baseline", default=None, help="URL of a server of the verifier alone (for the speedup)")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=URL",

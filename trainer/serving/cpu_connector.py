@@ -12,7 +12,7 @@ server's. Load it with
                            "kv_connector_module_path": "trainer.serving.cpu_connector", "kv_role": "kv_producer",
                            "kv_connector_extra_config": {"shared_storage_path": "<dir>"}}'
 
-with this repository on the server's PYTHONPATH (`python -m trainer.serving.server` does both).
+with this repository on the server's PYTHONPATH (`python -m trainer vllm-server` does both).
 """
 
 import fcntl

@@ -1,8 +1,8 @@
 """The vLLM server that extracts a run's verifier hidden states: its exact command, and (for local use and the
 tests) starting, waiting for and stopping it.
 
-    python -m trainer.serving.server --config configs/gemma-4-E4B-it.yaml --states_dir /shared/hs     # print it
-    python -m trainer.serving.server --config configs/smollm2-135m.yaml --device cpu --start           # run it here
+    python -m trainer vllm-server --config configs/gemma-4-E4B-it.yaml --states_dir /shared/hs     # print it
+    python -m trainer vllm-server --config configs/smollm2-135m.yaml --device cpu --start           # run it here
 
 The server runs the verifier with vLLM's `extract_hidden_states` speculative method: every request's prompt
 goes through one prefill, and the states of the run's aux layers plus the last layer (id L, the pre-norm
@@ -32,7 +32,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from trainer import REPO_ROOT
+
+ROOT = str(REPO_ROOT)  # on the server's PYTHONPATH, so vLLM can import the CPU connector
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "trainer.serving.cpu_connector")
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 LAYERS_TAG = "dspark-hidden-states-"  # + the extracted ids: a second served name that says which layers
@@ -232,7 +234,7 @@ def main(argv: list[str]) -> None:
     from trainer.config import RunConfig
     from trainer.errors import Parser, UsageError
 
-    parser = Parser(prog="python -m trainer.serving.server", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer vllm-server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the run config (its verifier, aux ids, dtype, lengths)")
     parser.add_argument("--states_dir", default=None,
                         help="where the connector writes (default: train.vllm_states_dir); the trainer must see it")
@@ -260,8 +262,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):
-        sys.path.insert(0, ROOT)
     from trainer.errors import run_cli
 
     sys.exit(run_cli(main))

@@ -7,13 +7,14 @@ servers the config names.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
 import torch
 
 from trainer.config import aux_layer_ids_for_config
-from trainer.errors import UsageError, run_cli
+from trainer.errors import Parser, UsageError, run_cli
 from trainer.states.cache_format import DEFAULT_SHARD_TOKENS, check_plan, dtype_name, make_plan
 from trainer.states.offline_cache import as_document, write_cache
 
@@ -48,49 +49,29 @@ def documents_for_config(config) -> list[torch.Tensor]:
     return documents
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, str | None, int, str, list[str]]:
-    """`--config`, `--cache_dir`, `--shard_tokens` and `--source` (in_process, or vllm: the servers of the run
-    config's train.vllm_urls) are the command's own; everything else overrides the run config (as for
-    trainer/run.py)."""
-    own = {"--config": None, "--cache_dir": None, "--shard_tokens": None, "--source": "in_process"}
-    rest = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(__doc__)
-            raise SystemExit(0)
-        name, eq, value = arg.partition("=")
-        if name in own:
-            if not eq:
-                if i + 1 >= len(argv):
-                    example = DEFAULT_SHARD_TOKENS if name == "--shard_tokens" else "DIR"
-                    raise UsageError(f"{name} needs a value; pass e.g. {name} {example}.")
-                value = argv[i + 1]
-                i += 1
-            own[name] = value
-        else:
-            rest.append(arg)
-        i += 1
-    shard_tokens = DEFAULT_SHARD_TOKENS
-    if own["--shard_tokens"] is not None:
-        try:
-            shard_tokens = int(own["--shard_tokens"])
-        except ValueError as e:
-            raise UsageError(f"--shard_tokens {own['--shard_tokens']} is not an integer; pass e.g. 65536.") from e
-    if own["--source"] not in ("in_process", "vllm"):
-        raise UsageError(f"--source must be in_process or vllm (got {own['--source']!r}).")
-    return own["--config"], own["--cache_dir"], shard_tokens, own["--source"], rest
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command's own flags (`--config`, `--cache_dir`, `--shard_tokens`, `--source`); everything else overrides
+    the run config, as for training."""
+    parser = Parser(prog="python -m trainer states-cache", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="the run config whose documents are cached")
+    parser.add_argument("--cache_dir", default=None, help="the directory to write the cache into")
+    parser.add_argument("--shard_tokens", default=DEFAULT_SHARD_TOKENS, type=int,
+                        help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
+    parser.add_argument("--source", choices=("in_process", "vllm"), default="in_process",
+                        help="in_process: the verifier here; vllm: the servers of the run config's train.vllm_urls")
+    return parser.parse_known_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config_path, cache_dir, shard_tokens, source_name, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    config_path, cache_dir, shard_tokens, source_name = args.config, args.cache_dir, args.shard_tokens, args.source
     if not cache_dir:
         raise UsageError("no --cache_dir was given; pass the directory to write the cache into, e.g. --cache_dir "
                          "out/states-cache.")
     from trainer.config import RunConfig
-    from trainer.states.in_process import InProcessVerifier
-    from trainer.verifier.loading import load_verifier, resolve_pretrained, torch_dtype
+    from trainer.states.build import build_source
+    from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_pretrained, torch_dtype
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         stream=sys.stdout)
@@ -104,20 +85,16 @@ def main(argv: list[str] | None = None) -> dict:
     # a cache planned differently is refused before the verifier is loaded (minutes for a large one on a GPU)
     check_plan(cache_dir, make_plan(documents, aux_layer_ids, hidden_size, dtype_name(dtype), shard_tokens))
     if source_name == "vllm":
-        from trainer.states.vllm import source_for_config
-        from trainer.verifier.loading import load_verifier_shell
-
         t = config.train
         if not (t.vllm_urls and t.vllm_states_dir):
             raise UsageError("--source vllm needs the servers: pass --vllm_urls '[http://host:port]' and "
                              "--vllm_states_dir DIR (or set them in the config's train section).")
-        source = source_for_config(config, load_verifier_shell(path, config.model.verifier_dtype, device),
-                                   aux_layer_ids)
+        verifier = load_verifier_shell(path, config.model.verifier_dtype, device)
     else:
         logger.info("loading the verifier %s (%s)", config.model.verifier, path)
         verifier = load_verifier(path, dtype=config.model.verifier_dtype, device=device)
-        source = InProcessVerifier(verifier, aux_layer_ids,
-                                   max_tokens_per_forward=config.train.verifier_max_tokens_per_forward)
+    config.train.hidden_states = source_name  # the same source a training run of this config would build
+    source = build_source(config, verifier, aux_layer_ids)
     return write_cache(source, documents, cache_dir, shard_tokens=shard_tokens,
                        tokens_per_call=config.train.verifier_max_tokens_per_forward)
 

@@ -7,7 +7,7 @@
         load + validate (token ids equal the request, [n, k+1, H], finite), delete the file and its lock
     trainer step ── states(batch) ──> the documents' futures (or fresh requests) packed into the batch's rows
 
-The servers run the command `python -m trainer.serving.server` prints (extract_hidden_states, the aux ids plus
+The servers run the command `python -m trainer vllm-server` prints (extract_hidden_states, the aux ids plus
 the last layer). `check()` runs before the first step and reports, one sentence each, a server that is down,
 serves another model or a too-short context, was started without the connector or with other layers (the
 exact ids when the server names them, as that command's servers do; else their number, from a probe file's
@@ -43,8 +43,8 @@ from trainer.verifier.teacher import Teacher
 logger = logging.getLogger("dspark")
 # The connector's file name, `<request id>.safetensors` (vLLM's ids: `cmpl-<hex>-<n>`, maybe with a suffix).
 STATES_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors")
-SERVER_HINT = "start it with the command `python -m trainer.serving.server --config <run config>` prints"
-STOP_HINT = ("check the servers and their logs (restart one that died with the command `python -m trainer.serving.server "
+SERVER_HINT = "start it with the command `python -m trainer vllm-server --config <run config>` prints"
+STOP_HINT = ("check the servers and their logs (restart one that died with the command `python -m trainer vllm-server "
              "--config <run config>` prints), then resume the run with --resume_from_checkpoint latest")
 MAX_COOLDOWN = 60.0  # seconds a URL that keeps failing is skipped at most: a dead server is probed about once a minute
 

@@ -8,7 +8,7 @@ converts each one once into a plain safetensors folder under `CACHE_DIR` and ret
 everything downstream (`from_pretrained`, the trainer, vLLM) sees an ordinary local checkpoint. Names
 that are not registered pass through unchanged, so the same call works for local dirs and real Hub ids.
 
-CLI: `python -m trainer.verifier.small_models HuggingFaceTB/SmolLM2-135M-Instruct` prints the resolved path.
+CLI: `python -m trainer small-models HuggingFaceTB/SmolLM2-135M-Instruct` prints the resolved path.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def _version(distribution: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer small-models", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="+", help="Hub ids or local dirs; registered ids: " + ", ".join(REGISTRY))
     args = parser.parse_args(argv)
     for name in args.names:
