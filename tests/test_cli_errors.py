@@ -29,12 +29,13 @@ def refused(main, argv, capsys, code=2) -> str:
 @pytest.fixture
 def no_heavy_loading(monkeypatch):
     """Fail the test if data preparation or a model load starts: the refusal must come first."""
+    import trainer.data.prepare as prepare
     import trainer.run as run
 
     def forbidden(*args, **kwargs):
         raise AssertionError("validation must refuse the input before data or models are loaded")
 
-    monkeypatch.setattr(run, "load_chat_dataset", forbidden)
+    monkeypatch.setattr(prepare, "load_chat_dataset", forbidden)
     monkeypatch.setattr(run, "load_verifier", forbidden)
 
 
@@ -430,6 +431,7 @@ def test_the_shared_parser_names_the_fix():
 
 
 def test_bad_data_files_are_named_before_the_verifier_loads(chat_verifier_dir, tmp_path, capsys, monkeypatch):
+    import trainer.data.prepare as prepare
     import trainer.run as run
 
     def forbidden(*args, **kwargs):
