@@ -399,7 +399,10 @@ EVERY_CLI = [
 
 @pytest.mark.parametrize("entry, case, args, cause", EVERY_CLI, ids=[f"{e} {c}" for e, c, _, _ in EVERY_CLI])
 def test_every_cli_prints_one_line_and_exits_2(entry, case, args, cause, tmp_path):
-    command = [str(ROOT / entry)] if entry.endswith(".py") else ["-m", "trainer", entry]
+    if entry.endswith(".py"):
+        command = [str(ROOT / entry)]
+    else:  # a package command (`python -m trainer <command>`) or a benchmark module
+        command = ["-m", "trainer", entry] if "." not in entry else ["-m", entry]
     env = {k: v for k, v in os.environ.items() if k != "DSPARK_DEBUG"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
