@@ -96,7 +96,7 @@ def test_the_vllm_benchmarks_run_their_smallest_configuration(tmp_path):
 def test_quick_benchmark_run_compares_identical_steps_and_reports_every_section(tmp_path):
     from conftest import speculators_python
 
-    proc, data = run_benchmarks(tmp_path, "--quick", "--speculators-python", speculators_python(), timeout=900)
+    proc, data = run_benchmarks(tmp_path, "--quick", "--speculators-python", speculators_python(), timeout=1800)
     last = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"step speedup vs speculators: \d+\.\d\dx, peak memory ratio: \d+\.\d\d", last), last
     for config in ("small", "large"):
