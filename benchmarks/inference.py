@@ -22,9 +22,7 @@ verifier's; the overhead share is what this measures. The target is overhead <= 
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import os
 import pstats
 import statistics
@@ -36,8 +34,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import busy_warning, cli, print_table  # noqa: E402
-from trainer.errors import Parser, UsageError  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import busy_warning  # noqa: E402
+from trainer.errors import UsageError  # noqa: E402
+
+NAME = "inference"
 
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_CONFIG = os.path.join(ROOT, "configs", "smollm2-135m.yaml")
@@ -406,17 +407,17 @@ def profile_generation(verifier, drafter, ids, max_new) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def main() -> None:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", required=False, help="write the measurements here (a JSON dict with a 'table')")
+def add_arguments(parser) -> None:
+    """`--quick` (the protocol's): small sizes (about a minute), for checking the harness."""
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); on a shared machine --threads 1 is far steadier")
-    parser.add_argument("--quick", action="store_true", help="small sizes (about a minute), for checking the harness")
     parser.add_argument("--drafter", default=None, help="a trained drafter directory (default: random init, demo shape)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None, help="held-out prompts for (c) (one per subset)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
     sizes = dict(QUICK if args.quick else FULL)
     if args.max_new_tokens is not None:
         sizes["max_new_tokens"] = args.max_new_tokens
@@ -438,7 +439,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
     started = time.time()
     print("loading SmolLM2-135M-Instruct and the drafter ...", flush=True)
-    verifier, tokenizer, drafter, run, shape = load_models(args.drafter)
+    verifier, tokenizer, drafter, _, shape = load_models(args.drafter)
     drafter._benchmark_random = args.drafter is None
     out = dict(benchmark="inference", quick=args.quick, sizes=sizes, drafter=shape, verifier=VERIFIER,
                torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count())
@@ -458,8 +459,10 @@ def main() -> None:
     out["load_average"] = os.getloadavg()
     out["seconds"] = time.time() - started
     out["table"] = table
-    print()
-    print_table(table)
+    return out
+
+
+def describe(out: dict) -> None:
     if "draft" in out:
         print("\n(b) top torch ops per steady-state draft() call (self CPU):")
         for op in out["draft"]["top_ops_per_call"][:8]:
@@ -471,10 +474,7 @@ def main() -> None:
         for item in prof["modeling_dspark"][:10]:
             print(f"  {item['function']:<60} {item['cumulative_s'] * 1e3:9.1f} ms  "
                   f"{item['share_of_non_verifier']:6.1%}  x{item['calls']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
-    cli(main)
+    common.main(sys.modules[__name__])

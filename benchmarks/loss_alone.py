@@ -49,16 +49,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import common  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     LOSS_WEIGHTS,
     PeakRSS,
     busy_warning,
-    cli,
     mem_available_bytes,
     objective,
-    print_table,
 )
-from trainer.errors import Parser, UsageError  # noqa: E402
+from trainer.errors import UsageError  # noqa: E402
+
+NAME = "loss_alone"
 
 FULL = dict(anchors=512, block=8, hidden=640, vocab=262144, draft_vocabs=[32000, 262144], rank=256)
 QUICK = dict(anchors=16, block=8, hidden=64, vocab=4096, draft_vocabs=[512, 4096], rank=16)
@@ -397,22 +398,17 @@ def benchmark_vocab(shape, draft_vocab, anchors, repeats, tmp, budget_override, 
     return out, rows
 
 
-def main() -> None:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", required=False, help="write the measurements here (a JSON dict with a 'table')")
+def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); on a shared machine --threads 1 is far steadier")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (seconds), for checking the harness")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab", default=None, help="comma-separated draft vocabulary sizes (default: 32000,V)")
     parser.add_argument("--anchors", type=int, default=None,
                         help="measure at the first N of the 512 anchors (full-size figures then extrapolated, labelled)")
     parser.add_argument("--naive-budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # testing the fallback
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
-        return
+
+
+def run(args) -> dict:
     if args.repeats < 1:
         raise UsageError(f"--repeats is {args.repeats}; pass at least 1.")
     if not os.path.exists("/proc/self/clear_refs"):
@@ -443,19 +439,18 @@ def main() -> None:
                                         args.threads)
             results[str(v)] = res
             table += rows
-    out = dict(benchmark="loss_alone", quick=args.quick, shape=shape, measured_anchors=anchors, loss_weights=LOSS_WEIGHTS,
+    out = dict(shape=shape, measured_anchors=anchors, loss_weights=LOSS_WEIGHTS,
                torch=torch.__version__, threads=torch.get_num_threads(),
                cpu_count=os.cpu_count(), load_average=os.getloadavg(), seconds=time.time() - started,
                results=results, table=table)
-    print()
-    print_table(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     failed = [k for k, r in results.items() if not r["check"]["ok"]]
     if failed:
-        raise RuntimeError(f"ours and naive disagree on the loss at Vd={','.join(failed)} (relative difference >= 1e-5)")
+        out["failed"] = f"ours and naive disagree on the loss at Vd={','.join(failed)} (relative difference >= 1e-5)"
+    return out
 
 
 if __name__ == "__main__":
-    cli(main)
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":  # one measurement, in a fresh process (see `spawn`)
+        worker(json.loads(sys.argv[2]))
+    else:
+        common.main(sys.modules[__name__])

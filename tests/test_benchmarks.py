@@ -1,37 +1,111 @@
-"""The benchmark command works end to end (tiny shapes): both training-step implementations run on the same
-inputs and agree on the loss, and every section reports. The numbers themselves live in benchmarks/RESULTS.md;
-speed is never asserted here (benchmarks check speed, tests check behaviour)."""
+"""The benchmarks follow one protocol (benchmarks/common.py `PROTOCOL`) and `benchmarks.run` drives every one of
+them: each one's smallest configuration runs end to end through it, one whose prerequisite is missing is skipped
+in one sentence, and the training-step comparison runs both implementations on the same inputs, which agree on
+the loss. The numbers themselves live in benchmarks/RESULTS.md; speed is never asserted here (benchmarks check
+speed, tests check behaviour)."""
 
+import importlib
 import json
-import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPECULATORS_PYTHON = os.path.join(ROOT, ".venv-speculators", "bin", "python")
+ROOT = Path(__file__).resolve().parents[1]
+NOT_BENCHMARKS = {"common", "run", "speculators_step"}  # the protocol, the driver, train_step's other side
+PROVENANCE = ("schema", "benchmark", "date", "command", "quick", "machine", "versions", "git")
+# each benchmark's smallest configuration, beyond its --quick (as `benchmarks.run --quick --bench-args` passes it)
+SMALLEST = {"loss_alone": "--vocab 512 --repeats 1", "inference": "--skip c"}
+
+
+def run_benchmarks(tmp_path, *args, timeout=600):
+    report = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--json", str(report),
+                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(report.read_text())
+
+
+def test_every_benchmark_module_follows_the_protocol_and_run_drives_it():
+    from benchmarks import common, run
+
+    modules = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in NOT_BENCHMARKS | {"__init__"})
+    assert sorted(run.BENCHMARKS) == modules, "every benchmarks/*.py is driven by benchmarks.run"
+    for name in modules:
+        module = importlib.import_module(f"benchmarks.{name}")
+        assert module.NAME == name and callable(module.run) and callable(module.add_arguments), name
+        args = common.protocol_parser(module).parse_args(list(getattr(module, "QUICK_ARGS", ["--quick"])))
+        assert args.quick and args.json is None, name
+    assert {run.ALIASES[a] for a in run.DEFAULT if a in run.ALIASES} | {"train_step"} == {
+        "train_step", "loss_alone", "inference"}  # the default set of old: train_step, loss, extraction, drafting
+
+
+def test_write_result_records_date_machine_command_and_versions(tmp_path):
+    from benchmarks.common import write_result
+
+    path = tmp_path / "r.json"
+    record = write_result(path, "x", {"table": [["a", 1.0, "s", ""]], "machine": "not this"}, "python -m x", True)
+    assert json.loads(path.read_text()) == record
+    assert all(key in record for key in PROVENANCE) and record["benchmark"] == "x"
+    assert isinstance(record["machine"]["cpu"], str) and isinstance(record["machine"]["cpu_flags"], list)
+    assert record["versions"]["torch"] and record["versions"]["transformers"]
+
+
+def test_an_unavailable_benchmark_is_skipped_in_one_sentence(tmp_path):
+    missing = str(tmp_path / "no-such-python")
+    proc, data = run_benchmarks(tmp_path, "--only", "train_step,regeneration,hidden_states",
+                                "--speculators-python", missing, "--vllm-python", missing, timeout=120)
+    assert set(data["skipped"]) == {"train_step", "regeneration", "hidden_states"}
+    for name, why in data["skipped"].items():
+        assert missing in why and "\n" not in why and why.endswith("."), why
+        assert f"{name}: skipped: {why}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_every_benchmark_runs_its_smallest_configuration_through_the_protocol(tmp_path):
+    """muon_step, gpu_step (the CPU smoke without a GPU), loss_alone and inference, as `--quick` configures them."""
+    names = ["muon_step", "gpu_step", "loss_alone", "inference"]
+    extra = [a for name, flags in SMALLEST.items() for a in ("--bench-args", name, flags)]
+    _, data = run_benchmarks(tmp_path, "--quick", "--only", ",".join(names), *extra)
+    for name in names:
+        result = data[name]
+        assert all(key in result for key in PROVENANCE) and result["benchmark"] == name and result["quick"]
+        assert result["table"] and all(len(row) == 4 for row in result["table"]), name
+        assert result["command"].startswith(f"python -m benchmarks.{name} --quick"), result["command"]
+    assert any("draft()" in row[0] for row in data["inference"]["table"])
+    assert any("states" in row[0] for row in data["inference"]["table"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_vllm_benchmarks_run_their_smallest_configuration(tmp_path):
+    from conftest import vllm_python
+
+    _, data = run_benchmarks(tmp_path, "--quick", "--only", "regeneration,hidden_states", "--vllm-python",
+                             vllm_python(), timeout=1800)
+    assert not data["skipped"], data["skipped"]
+    assert data["regeneration"]["identical_outputs"] and data["regeneration"]["table"]
+    assert data["hidden_states"]["table"] and data["hidden_states"]["files_left"] == 0
 
 
 @pytest.mark.slow
 @pytest.mark.speculators
-@pytest.mark.skipif(not os.path.exists(SPECULATORS_PYTHON), reason="needs .venv-speculators (make speculators-env)")
 def test_quick_benchmark_run_compares_identical_steps_and_reports_every_section(tmp_path):
-    report = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--json", str(report),
-                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from conftest import speculators_python
+
+    proc, data = run_benchmarks(tmp_path, "--quick", "--speculators-python", speculators_python(), timeout=1800)
     last = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"step speedup vs speculators: \d+\.\d\dx, peak memory ratio: \d+\.\d\d", last), last
-    data = json.loads(report.read_text())
     for config in ("small", "large"):
         summary = data["train_step"]["summary"][config]
         # same weights, inputs, anchors and loss terms: the first-step losses agree to float32 round-off
         assert summary["loss_first_step"]["rel_diff"] < 1e-5, summary["loss_first_step"]
         for impl in ("ours", "speculators", "ours-default"):
             assert summary[impl]["step_s"]["median"] > 0 and summary[impl]["flops_per_step"] > 0
-    for module in ("loss_alone", "inference"):  # every other section ran and reported its table
+    for module in ("loss_alone", "inference"):  # every other section of the default set ran and reported its table
         assert data[module]["table"], f"{module} reported nothing"
     rows = {row[0] for row in data["inference"]["table"]}
     assert any("draft()" in name for name in rows) and any("states" in name for name in rows), sorted(rows)

@@ -1,7 +1,8 @@
 """Our checkpoints load in speculators 0.9.0 with identical weights and an identical forward.
 
 speculators pins transformers<=5.19.0 and torchvision, so it lives in its own venv (`make speculators-env`,
-created by `make test`); the check runs there as a subprocess and reports JSON.
+created by `make test`); the check runs there as a subprocess and reports JSON. Marker `speculators`: skipped
+without that environment (tests/conftest.py).
 """
 
 import json
@@ -10,19 +11,17 @@ import subprocess
 import sys
 
 import pytest
+from conftest import speculators_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC_PYTHON = os.environ.get("DSPARK_SPECULATORS_PYTHON", os.path.join(ROOT, ".venv-speculators", "bin", "python"))
 
 pytestmark = [pytest.mark.speculators, pytest.mark.slow]
 
 
 def test_speculators_loads_our_checkpoint_and_computes_the_same_forward(tmp_path):
-    if not os.path.exists(SPEC_PYTHON):
-        pytest.skip(f"no speculators 0.9.0 environment at {SPEC_PYTHON}; create it with `make speculators-env`")
     report_file = tmp_path / "report.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
-    proc = subprocess.run([SPEC_PYTHON, os.path.join(ROOT, "tests", "speculators_crosscheck.py"), str(report_file)],
+    proc = subprocess.run([speculators_python(), os.path.join(ROOT, "tests", "speculators_crosscheck.py"), str(report_file)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert report_file.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(report_file.read_text())
