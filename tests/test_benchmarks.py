@@ -16,8 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"common", "run", "speculators_step"}  # the protocol, the driver, train_step's other side
 PROVENANCE = ("schema", "benchmark", "date", "command", "quick", "machine", "versions", "git")
-# each benchmark's smallest configuration, beyond its --quick (as `benchmarks.run --quick --bench-args` passes it)
-SMALLEST = {"loss_alone": "--vocab 512 --repeats 1", "inference": "--skip c"}
 
 
 def run_benchmarks(tmp_path, *args, timeout=600):
@@ -65,30 +63,17 @@ def test_an_unavailable_benchmark_is_skipped_in_one_sentence(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_benchmark_runs_its_smallest_configuration_through_the_protocol(tmp_path):
-    """muon_step, gpu_step (the CPU smoke without a GPU), loss_alone and inference, as `--quick` configures them."""
-    names = ["muon_step", "gpu_step", "loss_alone", "inference"]
-    extra = [a for name, flags in SMALLEST.items() for a in ("--bench-args", name, flags)]
-    _, data = run_benchmarks(tmp_path, "--quick", "--only", ",".join(names), *extra)
+def test_the_benchmarks_outside_the_default_set_run_through_the_protocol(tmp_path):
+    """muon_step and gpu_step (its CPU smoke without a GPU), as `--quick` configures them; loss_alone and inference
+    run in the default set below, and the vLLM ones (regeneration, hidden_states) take a server each, which the
+    suite's time budget leaves to `make bench`."""
+    names = ["muon_step", "gpu_step"]
+    _, data = run_benchmarks(tmp_path, "--quick", "--only", ",".join(names))
     for name in names:
         result = data[name]
         assert all(key in result for key in PROVENANCE) and result["benchmark"] == name and result["quick"]
         assert result["table"] and all(len(row) == 4 for row in result["table"]), name
         assert result["command"].startswith(f"python -m benchmarks.{name} --quick"), result["command"]
-    assert any("draft()" in row[0] for row in data["inference"]["table"])
-    assert any("states" in row[0] for row in data["inference"]["table"])
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_the_vllm_benchmarks_run_their_smallest_configuration(tmp_path):
-    from conftest import vllm_python
-
-    _, data = run_benchmarks(tmp_path, "--quick", "--only", "regeneration,hidden_states", "--vllm-python",
-                             vllm_python(), timeout=1800)
-    assert not data["skipped"], data["skipped"]
-    assert data["regeneration"]["identical_outputs"] and data["regeneration"]["table"]
-    assert data["hidden_states"]["table"] and data["hidden_states"]["files_left"] == 0
 
 
 @pytest.mark.slow

@@ -434,7 +434,6 @@ def test_the_shared_parser_names_the_fix():
 
 
 def test_bad_data_files_are_named_before_the_verifier_loads(chat_verifier_dir, tmp_path, capsys, monkeypatch):
-    import trainer.data.prepare as prepare
     import trainer.run as run
 
     def forbidden(*args, **kwargs):
