@@ -56,7 +56,7 @@ def objective(kind: str, block: int, anchors: int):
     """The `ObjectiveConfig` a benchmark runs: `"matched"` is the objective speculators 0.9.0 trains (CE + TV over
     the draft vocabulary, its confidence target, no full-vocabulary pass); `"default"` the package's defaults.
     Both with `LOSS_WEIGHTS`, `block` and `anchors`. Imported lazily: this module also runs in .venv-speculators."""
-    from trainer.train.loss import ObjectiveConfig
+    from trainer.config import ObjectiveConfig
 
     base = dict(block_size=block, max_anchors=anchors, loss_weights=dict(LOSS_WEIGHTS))
     if kind == "default":

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from modeling_dspark import positions_from_document_ids, verifier_decoder, verifier_hidden_states
 from tiny import VOCAB, tiny_drafter
+from trainer.config import ObjectiveConfig
 from trainer.train.anchors import anchor_candidates, block_supervision, sample_anchors
-from trainer.train.loss import ObjectiveConfig, dspark_loss, needs_full_vocabulary
+from trainer.train.loss import dspark_loss, needs_full_vocabulary
 from trainer.train.stats import reduce_stats
 from trainer.verifier.teacher import Teacher
 

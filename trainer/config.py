@@ -1,5 +1,5 @@
 """The run configuration: one typed object (three dataclass sections) read from YAML, overridden from the
-command line, validated up front, and saved into every checkpoint (`checkpoints.RUN_CONFIG_FILE`) so a run can
+command line, validated up front, and saved into every checkpoint (`RUN_CONFIG_FILE`) so a run can
 be reproduced and described in a model card.
 
     model:   the verifier and the drafter's architecture
@@ -22,7 +22,6 @@ import yaml
 
 from configuration_dspark import ARCHITECTURE_KEYS
 from trainer.errors import UsageError
-from trainer.train.checkpoints import RUN_CONFIG_FILE
 
 # The objective's choices and defaults: TrainArgs validates against them and the loss reads them.
 LOSS_NAMES = ("ce", "tv", "kl")
@@ -53,6 +52,7 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
 
+RUN_CONFIG_FILE = "dspark_run_config.yaml"  # this config as saved into every checkpoint and the output_dir
 SECTIONS = ("model", "data", "train")
 
 
@@ -348,8 +348,6 @@ class RunConfig:
 
     def objective(self, block_size: int | None = None):
         """The loss settings; `block_size` is the trained drafter's (the run config's before it exists)."""
-        from trainer.train.loss import ObjectiveConfig
-
         t = self.train
         return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
                                loss_weights=dict(t.loss_weights), confidence_weight=t.confidence_weight,
@@ -492,3 +490,42 @@ def aux_layer_ids_for_config(config, verifier_config) -> list[int]:
     except ValueError as e:
         raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
     return list(ids)
+
+
+
+
+# ------------------------------------------------------------------------------------------------ loss
+@dataclass
+class ObjectiveConfig:
+    """Loss configuration (seed recipe defaults)."""
+
+    block_size: int = 8
+    max_anchors: int = 512
+    loss_weights: dict = field(default_factory=lambda: {"ce": 0.1, "tv": 0.9})
+    confidence_weight: float = 1.0
+    decay_gamma: float = 4.0
+    ce_target: str = "teacher"  # or "data": x_{p+k+1} when it is in the draft vocabulary
+    # Logits elements per chunk of slots, the loss's memory budget (rows: `chunk_rows`).
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    teacher_vocab: str = DEFAULT_TEACHER_VOCAB  # what CE/TV/KL compare the draft with (TEACHER_VOCABS)
+    confidence_target: str = DEFAULT_CONFIDENCE_TARGET  # what the confidence head predicts (CONFIDENCE_TARGETS)
+    # The full-vocabulary metrics (accept_len, greedy, coverage) need a no-gradient pass over the verifier's
+    # whole output head (V x H per slot, 8x the draft head's cost at V = 262,144, Vd = 32,000). False skips it
+    # when the loss does not need it (teacher_vocab "draft" and confidence_target "sampled_restricted"); those
+    # metrics are then NaN. Evaluation always computes them (DSparkTrainer).
+    full_vocab_metrics: bool = True
+
+    def __post_init__(self):
+        unknown = set(self.loss_weights) - set(LOSS_NAMES)
+        if unknown:
+            raise ValueError(f"unknown loss terms {sorted(unknown)}; use a dict over {list(LOSS_NAMES)}, "
+                             f'e.g. {{"ce": 0.1, "tv": 0.9}}.')
+        if self.ce_target not in ("teacher", "data"):
+            raise ValueError(f"ce_target must be 'teacher' or 'data' (got {self.ce_target!r}).")
+        if self.max_anchors < 1:
+            raise ValueError(f"max_anchors must be at least 1 (got {self.max_anchors}).")
+        if self.teacher_vocab not in TEACHER_VOCABS:
+            raise ValueError(f"teacher_vocab must be one of {list(TEACHER_VOCABS)} (got {self.teacher_vocab!r}).")
+        if self.confidence_target not in CONFIDENCE_TARGETS:
+            raise ValueError(f"confidence_target must be one of {list(CONFIDENCE_TARGETS)} "
+                             f"(got {self.confidence_target!r}).")

@@ -22,20 +22,34 @@ import signal
 import sys
 import time
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
+if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+    sys.path.insert(0, _root)
 
-from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id  # noqa: E402
-from modeling_dspark import DSparkDraftModel  # noqa: E402
-from trainer.config import RunConfig  # noqa: E402
+import torch
+import transformers
+from transformers import AutoTokenizer, TrainingArguments
+
+from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id
+from modeling_dspark import DSparkDraftModel
+from trainer.config import RunConfig
 from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
 from trainer.data.prepare import DATA_EXTENSIONS, check_enough_supervision, len_vocab, prepare_data
-from trainer.data.vocab import build_draft_vocab  # noqa: E402
-from trainer.errors import DSparkError, Parser, UsageError, is_disk_full, run_cli  # noqa: E402
+from trainer.data.vocab import build_draft_vocab
+from trainer.errors import DSparkError, Parser, UsageError, is_disk_full, run_cli
 from trainer.states.build import build_source, close_source, source_report
 from trainer.states.source import HiddenStateSource
-from trainer.train.calibration import HEAD_BIAS, HEAD_WEIGHT
+from trainer.train.calibration import (
+    HEAD_BIAS,
+    HEAD_WEIGHT,
+    MIN_SLOPE,
+    calibration_record,
+    fit_logistic,
+    fold_head,
+    write_folded_head,
+    write_record,
+)
 from trainer.train.checkpoints import (
     RunLock,
     check_output_dir,
@@ -46,26 +60,13 @@ from trainer.train.checkpoints import (
     quarantine_incomplete,
     write_summary,
 )
-from trainer.train.optim import MuonAdamWFactory  # noqa: E402
+from trainer.train.optim import MuonAdamWFactory
 from trainer.train.trainer import (
-    DSparkTrainer,  # noqa: E402
+    DSparkTrainer,
     args_barrier,
 )
-from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_pretrained  # noqa: E402
-from trainer.verifier.small_models import resolve_model  # noqa: E402
-
-if __package__ in (None, ""):  # run as a script: put the repo root (not trainer/) on the path
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-    sys.path.insert(0, _root)
-from trainer.train.calibration import (
-    MIN_SLOPE,
-    calibration_record,
-    fit_logistic,
-    fold_head,
-    write_folded_head,
-    write_record,
-)
+from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_pretrained
+from trainer.verifier.small_models import resolve_model
 
 logger = logging.getLogger("dspark")
 

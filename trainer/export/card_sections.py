@@ -10,10 +10,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
+from trainer.config import RUN_CONFIG_FILE
 from trainer.evaluation.results import DRAFT_DESCRIPTIONS, AcceptanceResults, SubsetResult, is_hub_dataset
 from trainer.export.contract import read_json
 from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
-from trainer.train.checkpoints import CALIBRATION_FILE, DATA_STATS_FILE, RUN_CONFIG_FILE, Checkpoint, CheckpointError
+from trainer.train.checkpoints import CALIBRATION_FILE, DATA_STATS_FILE, Checkpoint, CheckpointError
 
 _CALIBRATION_KEYS = {"a": (int, float), "c": (int, float), "n_slots": int, "ece_before": (int, float),
                      "ece_after": (int, float), "cumprod_bias_before": list, "cumprod_bias_after": list,

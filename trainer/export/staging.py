@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from trainer.config import RUN_CONFIG_FILE
 from trainer.errors import DSparkError
 from trainer.evaluation.results import AcceptanceResults, read_results, weights_sha256
 from trainer.export.card import render_card
@@ -35,7 +36,7 @@ from trainer.export.contract import (
     weight_files,
 )
 from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE, plot_acceptance, plot_reliability
-from trainer.train.checkpoints import RUN_CONFIG_FILE, TRAINER_STATE_FILE, Checkpoint, CheckpointError, read_summary
+from trainer.train.checkpoints import TRAINER_STATE_FILE, Checkpoint, CheckpointError, read_summary
 
 CARD_FILE = "README.md"
 # Remote files a new export replaces in the same commit: stale shards or an old plot would otherwise linger.

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configuration_dspark import RUNTIME_ONLY_KEYS
+from trainer.config import RUN_CONFIG_FILE
 from trainer.errors import UsageError
 from trainer.export.contract import (
     REMOTE_CODE_FILES,
@@ -48,7 +49,6 @@ from trainer.export.contract import (
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: the Trainer names and rotates these
 COMPLETE_MARKER = "dspark_checkpoint.json"
-RUN_CONFIG_FILE = "dspark_run_config.yaml"
 DATA_STATS_FILE = "dspark_data_stats.json"
 CALIBRATION_FILE = "dspark_calibration.json"  # trainer/train/calibration.py writes it, trainer/export/card.py reads it
 SUMMARY_FILE = "dspark_train_summary.json"

@@ -23,59 +23,16 @@ every metric and every gradient with float64 autograd over unchunked reference f
 """
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from trainer.config import (
-    CONFIDENCE_TARGETS,
-    DEFAULT_CHUNK_ELEMENTS,
-    DEFAULT_CONFIDENCE_TARGET,
-    DEFAULT_TEACHER_VOCAB,
     LOSS_NAMES,
-    TEACHER_VOCABS,
+    ObjectiveConfig,
 )
 from trainer.train.anchors import block_supervision, decay_weights
 from trainer.verifier.teacher import Teacher, upcast
-
-
-# ------------------------------------------------------------------------------------------------ loss
-@dataclass
-class ObjectiveConfig:
-    """Loss configuration (seed recipe defaults)."""
-
-    block_size: int = 8
-    max_anchors: int = 512
-    loss_weights: dict = field(default_factory=lambda: {"ce": 0.1, "tv": 0.9})
-    confidence_weight: float = 1.0
-    decay_gamma: float = 4.0
-    ce_target: str = "teacher"  # or "data": x_{p+k+1} when it is in the draft vocabulary
-    # Logits elements per chunk of slots, the loss's memory budget (rows: `chunk_rows`).
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
-    teacher_vocab: str = DEFAULT_TEACHER_VOCAB  # what CE/TV/KL compare the draft with (TEACHER_VOCABS)
-    confidence_target: str = DEFAULT_CONFIDENCE_TARGET  # what the confidence head predicts (CONFIDENCE_TARGETS)
-    # The full-vocabulary metrics (accept_len, greedy, coverage) need a no-gradient pass over the verifier's
-    # whole output head (V x H per slot, 8x the draft head's cost at V = 262,144, Vd = 32,000). False skips it
-    # when the loss does not need it (teacher_vocab "draft" and confidence_target "sampled_restricted"); those
-    # metrics are then NaN. Evaluation always computes them (DSparkTrainer).
-    full_vocab_metrics: bool = True
-
-    def __post_init__(self):
-        unknown = set(self.loss_weights) - set(LOSS_NAMES)
-        if unknown:
-            raise ValueError(f"unknown loss terms {sorted(unknown)}; use a dict over {list(LOSS_NAMES)}, "
-                             f'e.g. {{"ce": 0.1, "tv": 0.9}}.')
-        if self.ce_target not in ("teacher", "data"):
-            raise ValueError(f"ce_target must be 'teacher' or 'data' (got {self.ce_target!r}).")
-        if self.max_anchors < 1:
-            raise ValueError(f"max_anchors must be at least 1 (got {self.max_anchors}).")
-        if self.teacher_vocab not in TEACHER_VOCABS:
-            raise ValueError(f"teacher_vocab must be one of {list(TEACHER_VOCABS)} (got {self.teacher_vocab!r}).")
-        if self.confidence_target not in CONFIDENCE_TARGETS:
-            raise ValueError(f"confidence_target must be one of {list(CONFIDENCE_TARGETS)} "
-                             f"(got {self.confidence_target!r}).")
-
 
 # Below this many slots per chunk, the logit matmuls over a large head are bound by reading the head's weights
 # (each chunk reads the [Vd, H] head three times), not by arithmetic.

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from modeling_dspark import DSparkDraftModel
+from trainer.config import ObjectiveConfig
 from trainer.errors import (
     DSparkError,
     UsageError,
@@ -51,7 +52,7 @@ from trainer.train.checkpoints import (
     update_best_link,
     write_data_stats,
 )
-from trainer.train.loss import ObjectiveConfig, dspark_loss
+from trainer.train.loss import dspark_loss
 from trainer.train.stats import reduce_stats, stat_names
 
 assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR, "the Trainer's checkpoint prefix changed; update trainer/train/checkpoints.py"
