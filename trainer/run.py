@@ -413,13 +413,6 @@ def build_drafter(config: RunConfig, verifier, tokenizer, vocab_ids) -> DSparkDr
 
 
 
-
-if __name__ == "__main__":
-    sys.exit(run_cli(main))
-
-
-
-
 def calibrate_confidence(trainer: DSparkTrainer, drafter: DSparkDraftModel, config: RunConfig,
                          has_validation: bool) -> dict | None:
     """Fit `sigmoid(a*z + c)` to the confidence targets of the validation split and fold it into the head of the
@@ -467,3 +460,7 @@ def calibrate_confidence(trainer: DSparkTrainer, drafter: DSparkDraftModel, conf
                 fmt(record["cumprod_bias_before"]), fmt(record["cumprod_bias_after"]), ", ".join(applied) or "nothing")
     keys = ("a", "c", "n_slots", "ece_before", "ece_after", "cumprod_bias_before", "cumprod_bias_after")
     return {**{k: record[k] for k in keys}, "applied_to": applied}
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
