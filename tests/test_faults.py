@@ -321,7 +321,7 @@ def resume_calibrated(chat_verifier_dir, chat_data_file, out: Path, log: Path) -
 
 # ------------------------------------------------------------------------------------------ the offline cache
 def cache_args(verifier, data, cache_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.states.cache_format", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
+    return [sys.executable, "-m", "trainer.states.cache_cli", "--cache_dir", str(cache_dir), "--shard_tokens", "1024",
             "--verifier", verifier, "--train_data", data, "--max_seq_length", "128", "--total_seq_length", "256"]
 
 
@@ -384,6 +384,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
 
     import trainer.states.cache_format as states_cache
     from trainer.errors import run_cli
+    from trainer.states.cache_cli import main as cache_main
 
     class FillingFile(io.FileIO):
         def write(self, data):
@@ -401,7 +402,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
     monkeypatch.setattr(states_cache, "open", filling_open, raising=False)
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        assert run_cli(states_cache.main, argv) == 1
+        assert run_cli(cache_main, argv) == 1
     total = len(list(complete_cache.glob("shard-*.safetensors")))
     assert error_line(stderr.getvalue()) == (
         f"error: the disk of cache {cache_dir} filled up while writing shard-00002.safetensors (2 of {total} shards "
@@ -409,7 +410,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
     assert sorted(p.name for p in cache_dir.iterdir()) == ["plan.json", "shard-00000.safetensors",
                                                            "shard-00001.safetensors"]  # no partial file
     monkeypatch.undo()
-    assert run_cli(states_cache.main, argv) == 0
+    assert run_cli(cache_main, argv) == 0
     assert_same_cache(cache_dir, complete_cache)
 
 
