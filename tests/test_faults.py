@@ -284,7 +284,7 @@ def test_kill_9_between_the_folded_weights_and_the_calibration_record(chat_verif
     from trainer.train.calibration import applied_fold
 
     out = tmp_path / "out"
-    env = fault_env(tmp_path, "trainer.train.checkpoints:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
+    env = fault_env(tmp_path, "trainer.files:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
     proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), tmp_path / "killed.log", env=env)
     wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the record")
     os.killpg(proc.pid, signal.SIGKILL)

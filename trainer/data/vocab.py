@@ -8,6 +8,7 @@ import os
 import torch
 
 from trainer.errors import UsageError
+from trainer.files import atomic_path
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -47,9 +48,8 @@ def build_draft_vocab(train_dataset, vocab_size: int, draft_vocab_size: int, cac
     else:
         counts = supervised_token_counts(train_dataset, vocab_size)
         if path:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            torch.save(counts, tmp)
-            os.replace(tmp, path)
+            with atomic_path(path, unique=True) as tmp:  # every rank may count and write it at once
+                torch.save(counts, tmp)
     if int((counts > 0).sum()) == 0:
         raise UsageError("the training split has no supervised tokens; check that the data has assistant turns.")
     return draft_vocab_from_counts(counts, draft_vocab_size)

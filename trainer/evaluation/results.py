@@ -46,6 +46,7 @@ from pathlib import Path
 from configuration_dspark import is_hub_id
 from trainer.errors import UsageError
 from trainer.evaluation.metrics.dspark_acceptance.dspark_acceptance import means
+from trainer.files import write_json_atomic, write_text_atomic
 
 SCHEMA = "dspark-acceptance/1"
 # The nine RedHatAI/speculator_benchmarks subsets, in the order tables and cards list them.
@@ -260,13 +261,9 @@ def format_table(results: dict) -> str:
 def write_results(results: dict, path: str) -> str:
     """Write the JSON (atomically) and a Markdown table next to it; return the table."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, results)
     table = format_table(results)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(table + "\n")
+    write_text_atomic(os.path.splitext(path)[0] + ".md", table + "\n")
     return table
 
 
