@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from trainer import files
-from trainer.files import atomic_path, replace_durably, write_json_atomic, write_text_atomic
+from trainer.files import atomic_path, is_local, replace_durably, write_json_atomic, write_text_atomic
 
 
 @pytest.fixture
@@ -85,3 +85,27 @@ def test_a_folder_rename_fsyncs_both_parents(tmp_path, fsynced):
 
 def test_fsync_dir_is_best_effort(tmp_path):
     files.fsync_dir(tmp_path / "missing")  # no error: not every filesystem (or path) allows it
+
+
+@pytest.mark.parametrize("source, local", [
+    ("data/chats.jsonl", True),  # a data-file extension: a path, even when missing
+    ("org/chats.JSONL", True),
+    ("org/table.csv", True),
+    ("./prompts", True),
+    ("/abs/prompts", True),
+    ("~/prompts", True),
+    ("not a hub id", True),
+    ("org--x/name", True),
+    ("RedHatAI/speculator_benchmarks", False),
+    ("HuggingFaceH4/ultrachat_200k", False),
+    ("squad", False),
+])
+def test_local_or_hub(source, local):
+    assert is_local(source) is local
+
+
+def test_an_existing_path_is_local_whatever_its_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "prompts").mkdir()
+    assert is_local("org/prompts") and not is_local("org/other")

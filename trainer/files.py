@@ -1,6 +1,7 @@
-"""Files on disk, the one way: atomic writes under one durability policy. Everything in trainer/ (and
-push_to_hub.py) that replaces a file or folder comes here; this module imports only the standard library, so
-fault injection can patch these functions before anything heavy is imported.
+"""Files on disk, the one way: atomic writes under one durability policy, and whether a name is a local path or a
+Hub id. Everything in trainer/ (and push_to_hub.py) that replaces a file or folder, or decides between a path and
+a Hub id, comes here; this module imports only the standard library (the Hub-id syntax is read lazily from
+`configuration_dspark`, so fault injection can patch these functions before anything heavy is imported).
 
 The durability policy: the new content goes to a temporary file in the same directory (so the rename never
 crosses filesystems), the temporary file is flushed and fsynced, `os.replace` moves it over the old name, and the
@@ -16,6 +17,10 @@ import os
 from collections.abc import Iterator
 
 TMP_SUFFIX = ".tmp"
+
+# The extensions of local data files: a name ending in one is a path (a missing one is an error), never a Hub id.
+DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+
 
 # ------------------------------------------------------------------------------------------ durability
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -79,3 +84,15 @@ def replace_durably(source: str | os.PathLike, target: str | os.PathLike) -> Non
     parents = {os.path.dirname(os.path.abspath(p)) for p in (source, target)}
     for parent in sorted(parents):
         fsync_dir(parent)
+
+
+# ------------------------------------------------------------------------------------------ path or Hub id
+def is_local(source: str | os.PathLike) -> bool:
+    """Whether a data or prompt source names a local path rather than a Hub id: it exists, starts like a path
+    (`.`, `/`, `~`), ends in a data-file extension, or is not a valid Hub repo id. A missing local path is the
+    caller's error to report; everything else is handed to the Hub."""
+    from configuration_dspark import is_hub_id
+
+    text = os.fspath(source)
+    return os.path.lexists(text) or text.startswith((".", "/", "~")) or text.lower().endswith(DATA_EXTENSIONS) or \
+        not is_hub_id(text)

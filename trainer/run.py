@@ -25,13 +25,14 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
 
-from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id  # noqa: E402
+from configuration_dspark import DSparkConfig, check_aux_layer_ids  # noqa: E402
 from modeling_dspark import DSparkDraftModel  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
-from trainer.data.prepare import DATA_EXTENSIONS, check_enough_supervision, len_vocab, prepare_data
+from trainer.data.prepare import check_enough_supervision, len_vocab, prepare_data
 from trainer.data.vocab import build_draft_vocab  # noqa: E402
 from trainer.errors import DSparkError, UsageError, is_disk_full, run_cli  # noqa: E402
+from trainer.files import is_local
 from trainer.states.build import build_source, close_source, source_report
 from trainer.train.calibration import HEAD_BIAS, HEAD_WEIGHT
 from trainer.train.checkpoints import (
@@ -356,8 +357,7 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
         raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "
                          f"'latest' or a checkpoint-N directory of this run.")
     for source in (d.train_data if isinstance(d.train_data, list) else [d.train_data]):
-        local = source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")) or not is_hub_id(source)
-        if local and not os.path.exists(source):
+        if is_local(source) and not os.path.exists(source):
             raise UsageError(f"data.train_data {source} does not exist (and it is not a Hub dataset id); check the "
                              f"path.")
     if m.init_from:

@@ -59,11 +59,11 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.data.generators import TransformersGenerator, VLLMChatClient, vllm_sampling
 from trainer.data.render import normalize_messages  # noqa: E402
 from trainer.data.replies import OrderedWriter, _read_finished, _read_jsonl, conversation_turns
 from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
+from trainer.files import is_local
 
 logger = logging.getLogger("dspark")
 
@@ -76,9 +76,7 @@ BACKENDS = ("transformers", "vllm")
 # ------------------------------------------------------------------------------------------ prompts and turns
 def prompt_rows(source: str, split: str | None = None, max_samples: int | None = None) -> list[dict]:
     """Rows with an `id`, a `subset` and the `turns` to answer (`conversation_turns`)."""
-    local = os.path.exists(source) or source.endswith((".json", ".jsonl", ".parquet")) or \
-        source.startswith((".", "/", "~")) or not is_hub_id(source)
-    if local and not os.path.exists(source):
+    if is_local(source) and not os.path.exists(source):
         raise UsageError(f"prompt file {source} does not exist; pass a JSONL file with a `prompt` column, chat rows, "
                          f"or a Hub dataset id.")
     if source.endswith(".jsonl") and os.path.isfile(source):

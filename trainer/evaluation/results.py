@@ -46,7 +46,7 @@ from pathlib import Path
 from configuration_dspark import is_hub_id
 from trainer.errors import UsageError
 from trainer.evaluation.metrics.dspark_acceptance.dspark_acceptance import means
-from trainer.files import write_json_atomic, write_text_atomic
+from trainer.files import is_local, write_json_atomic, write_text_atomic
 
 SCHEMA = "dspark-acceptance/1"
 # The nine RedHatAI/speculator_benchmarks subsets, in the order tables and cards list them.
@@ -79,9 +79,7 @@ def ordered(subsets: dict) -> list[tuple[str, dict]]:
 def is_hub_dataset(name) -> bool:
     """A Hub dataset id (metadata-worthy) rather than a local file or directory. Runs are usually launched from
     the package root, so a relative path is also looked up there, not only in the cwd."""
-    return isinstance(name, str) and "/" in name and not name.startswith((".", "/", "~")) and \
-        not name.endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow")) and is_hub_id(name) and \
-        not (_REPO_ROOT / name).exists()
+    return isinstance(name, str) and "/" in name and not is_local(name) and not (_REPO_ROOT / name).exists()
 
 
 # ------------------------------------------------------------------------------------------ measuring
