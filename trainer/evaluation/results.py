@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from configuration_dspark import is_hub_id
+from modeling_dspark import DRAFT_METHODS  # how `draft()` draws its tokens; results record which one
 from trainer.errors import UsageError
 from trainer.evaluation.metrics.dspark_acceptance.dspark_acceptance import means
 from trainer.files import is_local, write_json_atomic, write_text_atomic
@@ -53,8 +54,6 @@ SCHEMA = "dspark-acceptance/1"
 SUBSETS = ("math_reasoning", "HumanEval", "question", "writing", "translation", "rag", "tool_call", "qa",
            "summarization")
 ACCEPTANCE_METRIC = str(Path(__file__).resolve().parent / "metrics" / "dspark_acceptance")
-# `modeling_dspark.DRAFT_METHODS` (mirrored, so reading results needs no torch): how `draft()` draws its tokens.
-DRAFT_METHODS = ("greedy", "probabilistic", "filtered")
 DRAFT_DESCRIPTIONS = {
     "greedy": "the argmax of the draft logits, verified as a one-hot distribution (vLLM's default, "
               "`draft_sample_method: greedy`)",
