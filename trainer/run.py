@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoTokenizer, TrainingArguments  # noqa: E402
 
-from configuration_dspark import DSparkConfig, check_aux_layer_ids  # noqa: E402
+from configuration_dspark import DSparkConfig, check_aux_layer_ids, check_draft_vocab_size  # noqa: E402
 from modeling_dspark import DSparkDraftModel  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
@@ -372,9 +372,11 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
         except ValueError as e:
             raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
     if isinstance(vocab, int):
-        if m.draft_vocab_size is not None and m.draft_vocab_size > vocab:
-            raise UsageError(f"model.draft_vocab_size {m.draft_vocab_size} exceeds the verifier's vocabulary of {vocab} "
-                             f"tokens; use at most {vocab} (or null for the full vocabulary).")
+        if m.draft_vocab_size is not None:
+            try:
+                check_draft_vocab_size(m.draft_vocab_size, vocab, "model.draft_vocab_size")
+            except ValueError as e:
+                raise UsageError(str(e)) from e
         if m.mask_token_id is not None and m.mask_token_id >= vocab:
             raise UsageError(f"model.mask_token_id {m.mask_token_id} is outside the verifier's vocabulary of {vocab} "
                              f"tokens; use an id in 0..{vocab - 1} or leave it unset.")

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from configuration_dspark import check_draft_vocab_size
 from trainer.errors import UsageError
 from trainer.files import atomic_path
 
@@ -15,8 +16,10 @@ def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torc
     """Top `draft_vocab_size` ids by count (ties: lower id first), filled with the lowest unused ids when the
     data has fewer distinct tokens, returned sorted ascending."""
     vocab_size = counts.numel()
-    if draft_vocab_size > vocab_size:
-        raise UsageError(f"draft_vocab_size {draft_vocab_size} exceeds the verifier vocabulary of {vocab_size}.")
+    try:
+        check_draft_vocab_size(draft_vocab_size, vocab_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     counts = counts.to(torch.long).cpu()
     # stable sort on -count keeps ascending ids among equal counts
     order = torch.sort(-counts, stable=True).indices
