@@ -29,12 +29,13 @@ def refused(main, argv, capsys, code=2) -> str:
 @pytest.fixture
 def no_heavy_loading(monkeypatch):
     """Fail the test if data preparation or a model load starts: the refusal must come first."""
+    import trainer.data.prepare as prepare
     import trainer.run as run
 
     def forbidden(*args, **kwargs):
         raise AssertionError("validation must refuse the input before data or models are loaded")
 
-    monkeypatch.setattr(run, "load_chat_dataset", forbidden)
+    monkeypatch.setattr(prepare, "load_chat_dataset", forbidden)
     monkeypatch.setattr(run, "load_verifier", forbidden)
 
 
