@@ -143,8 +143,6 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     transformers.set_seed(t.seed)
     has_validation = d.validation_ratio > 0
     args = build_training_arguments(config, has_validation)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
-                        stream=sys.stdout)
     if not args.should_log:
         logger.setLevel(logging.WARNING)
     if t.overwrite_output_dir and not t.resume_from_checkpoint:
