@@ -253,11 +253,7 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(
                 f"rope_parameters {rope} has no rope_theta; write it explicitly (vLLM defaults a missing theta to 1e6)."
             )
-        if not 1 <= self.draft_vocab_size <= vocab:
-            raise ValueError(
-                f"draft_vocab_size {self.draft_vocab_size} does not fit the verifier vocabulary of {vocab} tokens; "
-                f"use a value in 1..{vocab}."
-            )
+        check_draft_vocab_size(self.draft_vocab_size, vocab)
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the verifier vocabulary of {vocab} tokens; use an id "
@@ -433,6 +429,14 @@ def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
     if not ids:
         raise ValueError(f"a {num_verifier_layers}-layer verifier has no layer id in 1..L-1 to use as an aux state.")
     return ids
+
+
+def check_draft_vocab_size(draft_vocab_size: int, vocab_size: int, name: str = "draft_vocab_size") -> None:
+    """The one bound on a draft vocabulary: it selects 1..V of the V-token verifier vocabulary. `name` is the
+    setting as the caller's user wrote it (a run config's `model.draft_vocab_size`)."""
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"{name} {draft_vocab_size} does not fit the verifier vocabulary of {vocab_size} tokens; use "
+                         f"a value in 1..{vocab_size}, or null/None for the verifier's full vocabulary.")
 
 
 def check_aux_layer_ids(ids: list[int], num_verifier_layers: int | None = None) -> None:

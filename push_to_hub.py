@@ -37,7 +37,6 @@ is never printed. Errors are one sentence naming the cause and the fix; the exit
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import sys
@@ -53,6 +52,7 @@ from trainer.errors import DSparkError, Parser, UsageError, run_cli
 from trainer.evaluation.results import SCHEMA as RESULTS_SCHEMA
 from trainer.export.contract import read_json
 from trainer.export.staging import DELETE_PATTERNS, Staged, StagingError, is_export_file, stage
+from trainer.files import replace_durably
 from trainer.train.checkpoints import BEST_LINK, Checkpoint, resolve_checkpoint
 
 PushError = DSparkError  # every refusal or failure of an export (checkpoint, results, serving, upload) is one
@@ -174,8 +174,8 @@ def _dry_run(checkpoint: Checkpoint, args) -> Staged:
         old = None
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "x")
-        os.replace(tmp, out)
+            replace_durably(out, old / "x")
+        replace_durably(tmp, out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:

@@ -84,7 +84,7 @@ def test_paths_and_the_verifier_config_are_checked_before_loading(chat_verifier_
     # the tiny chat verifier has 4 layers and SmolLM2's 49,152-token vocabulary
     assert "aux layer id 4 is out of range for a 4-layer verifier; use ids in 1..3" in \
         refused(main, ["--verifier", chat_verifier_dir, *run, "--aux_hidden_state_layer_ids", "[1, 4]"], capsys)
-    assert "model.draft_vocab_size 60000 exceeds the verifier's vocabulary of 49152" in \
+    assert "model.draft_vocab_size 60000 does not fit the verifier vocabulary of 49152 tokens" in \
         refused(main, ["--verifier", chat_verifier_dir, *run, "--draft_vocab_size", "60000"], capsys)
     assert "data.train_data missing.jsonl does not exist" in \
         refused(main, ["--verifier", chat_verifier_dir, *run[2:], "--train_data", "missing.jsonl"], capsys)

@@ -22,6 +22,7 @@ import yaml
 
 from configuration_dspark import ARCHITECTURE_KEYS
 from trainer.errors import UsageError
+from trainer.files import write_text_atomic
 
 # The objective's choices and defaults: TrainArgs validates against them and the loss reads them.
 LOSS_NAMES = ("ce", "tv", "kl")
@@ -361,10 +362,7 @@ class RunConfig:
 
     def save(self, directory: str) -> str:
         path = os.path.join(directory, RUN_CONFIG_FILE)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
-        os.replace(tmp, path)
+        write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
         return path
 
 

@@ -3,8 +3,9 @@
 Expected failures (bad input, a refusal, a missing file, a failed upload) raise a `DSparkError` whose message
 is one sentence naming the cause and the fix. `run_cli` turns it into one line `error: <message>` on stderr and
 an exit status (2 for bad input, 1 for a runtime failure); anything else is a genuine bug and keeps its
-traceback. `--debug` (or `DSPARK_DEBUG=1`) shows the traceback of expected failures too. `Parser` is the
-argparse parser of every entry point, so a bad command line takes the same path.
+traceback. `--debug` (or `DSPARK_DEBUG=1`) shows the traceback of expected failures too. `run_cli` also sets up
+logging (`setup_logging`), the same for every command. `Parser` is the argparse parser of every entry point, so a
+bad command line takes the same path.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -91,10 +93,18 @@ def report(error: DSparkError, redact: tuple[str, ...] = ()) -> int:
     return error.exit_code
 
 
+def setup_logging() -> None:
+    """The log format of every command: timestamped INFO lines on stdout, so progress and the one-line errors on
+    stderr stay apart. A no-op when logging is already configured (an embedding program, pytest)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
+                        stream=sys.stdout)
+
+
 def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None, redact: tuple[str, ...] = ()) -> int:
-    """Call `main(argv)` and map expected failures to `error: ...` and an exit status.
+    """Set up logging, call `main(argv)` and map expected failures to `error: ...` and an exit status.
 
     `redact` lists secrets (a Hub token) that must never be printed, even inside an error message."""
+    setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("DSPARK_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]

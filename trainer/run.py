@@ -31,13 +31,14 @@ import torch
 import transformers
 from transformers import AutoTokenizer, TrainingArguments
 
-from configuration_dspark import DSparkConfig, check_aux_layer_ids, is_hub_id
+from configuration_dspark import DSparkConfig, check_aux_layer_ids, check_draft_vocab_size
 from modeling_dspark import DSparkDraftModel
 from trainer.config import RunConfig
 from trainer.data.packing import DSparkCollator, PackedDataset, pack_conversations
-from trainer.data.prepare import DATA_EXTENSIONS, check_enough_supervision, len_vocab, prepare_data
+from trainer.data.prepare import check_enough_supervision, len_vocab, prepare_data
 from trainer.data.vocab import build_draft_vocab
 from trainer.errors import DSparkError, Parser, UsageError, is_disk_full, run_cli
+from trainer.files import is_local
 from trainer.states.build import build_source, close_source, source_report
 from trainer.states.source import HiddenStateSource
 from trainer.train.calibration import (
@@ -131,8 +132,6 @@ def _train(config: RunConfig, verifier_path: str, started: float) -> dict:
     """Build everything, then run: each step below is one function of this module, in this order."""
     transformers.set_seed(config.train.seed)
     args = build_training_arguments(config, has_validation=config.data.validation_ratio > 0)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
-                        stream=sys.stdout)
     if not args.should_log:
         logger.setLevel(logging.WARNING)
     clear_previous_run(config, args)
@@ -401,8 +400,7 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
         raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "
                          f"'latest' or a checkpoint-N directory of this run.")
     for source in (d.train_data if isinstance(d.train_data, list) else [d.train_data]):
-        local = source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")) or not is_hub_id(source)
-        if local and not os.path.exists(source):
+        if is_local(source) and not os.path.exists(source):
             raise UsageError(f"data.train_data {source} does not exist (and it is not a Hub dataset id); check the "
                              f"path.")
     if m.init_from:
@@ -417,9 +415,11 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
         except ValueError as e:
             raise UsageError(f"model.aux_hidden_state_layer_ids: {e}") from e
     if isinstance(vocab, int):
-        if m.draft_vocab_size is not None and m.draft_vocab_size > vocab:
-            raise UsageError(f"model.draft_vocab_size {m.draft_vocab_size} exceeds the verifier's vocabulary of {vocab} "
-                             f"tokens; use at most {vocab} (or null for the full vocabulary).")
+        if m.draft_vocab_size is not None:
+            try:
+                check_draft_vocab_size(m.draft_vocab_size, vocab, "model.draft_vocab_size")
+            except ValueError as e:
+                raise UsageError(str(e)) from e
         if m.mask_token_id is not None and m.mask_token_id >= vocab:
             raise UsageError(f"model.mask_token_id {m.mask_token_id} is outside the verifier's vocabulary of {vocab} "
                              f"tokens; use an id in 0..{vocab - 1} or leave it unset.")

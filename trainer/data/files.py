@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainer.errors import UsageError
+from trainer.files import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -297,18 +298,13 @@ def _clean_copy(scan: JsonFileScan) -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     skip = set(scan.bad_lines)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(scan.path, "rb") as src, open(tmp, "wb") as dst:
-            for number, line in enumerate(src, 1):
-                if number in skip or not line.strip(_BLANK):
-                    continue
-                if number == 1 and line.startswith(_BOM):
-                    line = line[len(_BOM) :]
-                dst.write(line if line.endswith(b"\n") else line + b"\n")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(target, unique=True) as tmp, open(scan.path, "rb") as src, open(tmp, "wb") as dst:
+        for number, line in enumerate(src, 1):
+            if number in skip or not line.strip(_BLANK):
+                continue
+            if number == 1 and line.startswith(_BOM):
+                line = line[len(_BOM) :]
+            dst.write(line if line.endswith(b"\n") else line + b"\n")
     logger.info("reading %s through a copy without its %d unreadable and %d blank line(s): %s",
                 scan.path, len(scan.bad_lines), scan.blank_lines, target)
     return target

@@ -25,6 +25,7 @@ from trainer.data.files import (
 )
 from trainer.data.render import conversation_column
 from trainer.errors import UsageError
+from trainer.files import is_local
 
 logger = logging.getLogger("dspark")
 
@@ -65,7 +66,7 @@ def load_chat_dataset(
             dataset = _load_directory(path, split, ratio)
         elif path.is_file():
             dataset = _load_files([path], split, ratio)
-        elif path.suffix.lower() in DATA_FILE_BUILDERS or text.startswith((".", "/", "~")):
+        elif is_local(text):
             raise UsageError(
                 f"data path {text} does not exist; pass an existing .jsonl/.json/.parquet file, a directory of "
                 "them, or a Hub dataset id."

@@ -13,9 +13,6 @@ from trainer.errors import UsageError  # noqa: E402
 
 logger = logging.getLogger("dspark")
 
-DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
-
-
 def prepare_data(config: RunConfig, tokenizer):
     """Load, render, tokenise (cached) and split the chat data: `(train_set, validation_set, stats)`. The one
     path from the data section to conversations, shared with the hidden-state cache writer

@@ -57,11 +57,12 @@ import os
 import sys
 import time
 
-from configuration_dspark import is_hub_id
+from trainer.data.files import read_jsonl_objects
 from trainer.data.generators import TransformersGenerator, VLLMChatClient, vllm_sampling
 from trainer.data.render import normalize_messages
-from trainer.data.replies import OrderedWriter, _read_finished, _read_jsonl, conversation_turns
+from trainer.data.replies import OrderedWriter, conversation_turns, read_finished
 from trainer.errors import Parser, UsageError, run_cli
+from trainer.files import is_local
 
 logger = logging.getLogger("dspark")
 
@@ -74,13 +75,11 @@ BACKENDS = ("transformers", "vllm")
 # ------------------------------------------------------------------------------------------ prompts and turns
 def prompt_rows(source: str, split: str | None = None, max_samples: int | None = None) -> list[dict]:
     """Rows with an `id`, a `subset` and the `turns` to answer (`conversation_turns`)."""
-    local = os.path.exists(source) or source.endswith((".json", ".jsonl", ".parquet")) or \
-        source.startswith((".", "/", "~")) or not is_hub_id(source)
-    if local and not os.path.exists(source):
+    if is_local(source) and not os.path.exists(source):
         raise UsageError(f"prompt file {source} does not exist; pass a JSONL file with a `prompt` column, chat rows, "
                          f"or a Hub dataset id.")
     if source.endswith(".jsonl") and os.path.isfile(source):
-        raw = _read_jsonl(source)
+        raw = [row for _, row in read_jsonl_objects(source)]
     else:  # a Hub dataset or local files: prompts-only sets are fine here, unlike for training
         from datasets import load_dataset
 
@@ -180,7 +179,7 @@ def regenerate(
 
     done = set()
     if os.path.exists(out):  # a rerun resumes: finished ids are skipped (a line cut by a kill is redone)
-        done = {str(r.get("id")) for r in _read_finished(out)}
+        done = {str(r.get("id")) for r in read_finished(out)}
     todo = [r for r in rows if r["id"] not in done]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     stats = {"turns": 0, "truncated": 0, "failed": 0, "new_tokens": 0, "retries": 0}

@@ -61,11 +61,7 @@ def request_seed(seed: int, row_id: str, turn: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ output
-def _read_jsonl(path: str) -> list[dict]:
-    return [row for _, row in read_jsonl_objects(path)]
-
-
-def _read_finished(path: str) -> list[dict]:
+def read_finished(path: str) -> list[dict]:
     """Rows already written by an earlier run; a truncated last line (a kill mid-write) is dropped from the file
     so it is regenerated, any other unreadable line is refused (the file is not ours to rewrite)."""
     with open(path, "rb") as f:
@@ -74,7 +70,7 @@ def _read_finished(path: str) -> list[dict]:
         cut = data.rfind(b"\n") + 1
         with open(path, "r+b") as f:
             f.truncate(cut)
-    return _read_jsonl(path)
+    return [row for _, row in read_jsonl_objects(path)]
 
 
 class OrderedWriter:

@@ -7,15 +7,19 @@ import os
 
 import torch
 
+from configuration_dspark import check_draft_vocab_size
 from trainer.errors import UsageError
+from trainer.files import atomic_path
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     """Top `draft_vocab_size` ids by count (ties: lower id first), filled with the lowest unused ids when the
     data has fewer distinct tokens, returned sorted ascending."""
     vocab_size = counts.numel()
-    if draft_vocab_size > vocab_size:
-        raise UsageError(f"draft_vocab_size {draft_vocab_size} exceeds the verifier vocabulary of {vocab_size}.")
+    try:
+        check_draft_vocab_size(draft_vocab_size, vocab_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     counts = counts.to(torch.long).cpu()
     # stable sort on -count keeps ascending ids among equal counts
     order = torch.sort(-counts, stable=True).indices
@@ -47,9 +51,8 @@ def build_draft_vocab(train_dataset, vocab_size: int, draft_vocab_size: int, cac
     else:
         counts = supervised_token_counts(train_dataset, vocab_size)
         if path:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            torch.save(counts, tmp)
-            os.replace(tmp, path)
+            with atomic_path(path, unique=True) as tmp:  # every rank may count and write it at once
+                torch.save(counts, tmp)
     if int((counts > 0).sum()) == 0:
         raise UsageError("the training split has no supervised tokens; check that the data has assistant turns.")
     return draft_vocab_from_counts(counts, draft_vocab_size)

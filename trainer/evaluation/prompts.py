@@ -4,11 +4,11 @@
 
 import os
 
-from configuration_dspark import is_hub_id  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.evaluation.results import (
     SUBSETS,
 )
+from trainer.files import is_local
 
 
 # ------------------------------------------------------------------------------------------ prompt sets
@@ -19,8 +19,7 @@ def load_prompt_sets(source: str, subsets: list[str] | None = None, limit: int |
     subset file, a line that is not JSON or has no string `prompt`, a subset file without prompts."""
     names = list(subsets or SUBSETS)
     out = {}
-    local = os.path.exists(source) or source.startswith((".", "/", "~")) or not is_hub_id(source)
-    if local:
+    if is_local(source):
         if not os.path.isdir(source):
             raise UsageError(f"prompt directory {source} does not exist or is not a directory; pass a directory of "
                              f"<subset>.jsonl files (one `prompt` per line) or a Hub dataset id.")

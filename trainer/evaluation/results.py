@@ -44,17 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from configuration_dspark import is_hub_id
+from modeling_dspark import DRAFT_METHODS  # how `draft()` draws its tokens; results record which one
 from trainer import REPO_ROOT
 from trainer.errors import UsageError
 from trainer.evaluation.metrics.dspark_acceptance.dspark_acceptance import means
+from trainer.files import is_local, write_json_atomic, write_text_atomic
 
 SCHEMA = "dspark-acceptance/1"
 # The nine RedHatAI/speculator_benchmarks subsets, in the order tables and cards list them.
 SUBSETS = ("math_reasoning", "HumanEval", "question", "writing", "translation", "rag", "tool_call", "qa",
            "summarization")
 ACCEPTANCE_METRIC = str(Path(__file__).resolve().parent / "metrics" / "dspark_acceptance")
-# `modeling_dspark.DRAFT_METHODS` (mirrored, so reading results needs no torch): how `draft()` draws its tokens.
-DRAFT_METHODS = ("greedy", "probabilistic", "filtered")
 DRAFT_DESCRIPTIONS = {
     "greedy": "the argmax of the draft logits, verified as a one-hot distribution (vLLM's default, "
               "`draft_sample_method: greedy`)",
@@ -78,9 +78,7 @@ def ordered(subsets: dict) -> list[tuple[str, dict]]:
 def is_hub_dataset(name) -> bool:
     """A Hub dataset id (metadata-worthy) rather than a local file or directory. Runs are usually launched from
     the package root, so a relative path is also looked up there, not only in the cwd."""
-    return isinstance(name, str) and "/" in name and not name.startswith((".", "/", "~")) and \
-        not name.endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow")) and is_hub_id(name) and \
-        not (REPO_ROOT / name).exists()
+    return isinstance(name, str) and "/" in name and not is_local(name) and not (REPO_ROOT / name).exists()
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -260,13 +258,9 @@ def format_table(results: dict) -> str:
 def write_results(results: dict, path: str) -> str:
     """Write the JSON (atomically) and a Markdown table next to it; return the table."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, results)
     table = format_table(results)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(table + "\n")
+    write_text_atomic(os.path.splitext(path)[0] + ".md", table + "\n")
     return table
 
 

@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> dict:
     from trainer.states.build import build_source
     from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_pretrained, torch_dtype
 
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
-                        stream=sys.stdout)
     config = RunConfig.load(config_path, rest)
     path, verifier_config = resolve_pretrained(config.model.verifier, "verifier")
     aux_layer_ids = aux_layer_ids_for_config(config, verifier_config)

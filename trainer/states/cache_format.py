@@ -36,6 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from trainer.errors import UsageError
+from trainer.files import atomic_path
 from trainer.states.source import document_key
 
 logger = logging.getLogger("dspark")
@@ -48,9 +49,6 @@ PLAN_FILE = "plan.json"
 
 
 COMPLETE_FILE = "COMPLETE"
-
-
-TMP_SUFFIX = ".tmp"
 
 
 # 64k tokens: 1.3 GiB per shard for Gemma 4 E4B (3 aux layers of 2560, bf16), 0.6 GiB for SmolLM2 in fp32. A
@@ -166,30 +164,6 @@ def check_plan(cache_dir: str, plan: dict) -> dict | None:
     return old
 
 
-def write_json_atomic(path: str, value: dict) -> None:
-    tmp = path + TMP_SUFFIX
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
-
-
-def fsync_dir(directory: str) -> None:
-    """Make a rename durable (best effort: not every filesystem lets a directory be fsynced)."""
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------------- shards
 def shard_bytes(shard: dict, width: int, hidden_size: int, element_size: int) -> int:
     """The tensor bytes of a planned shard (its header adds about 40 bytes per document)."""
@@ -202,7 +176,7 @@ def shard_metadata(plan: dict, shard: dict) -> dict[str, str]:
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Write a safetensors file atomically: a .tmp file in the same directory, fsynced, renamed into place, so a
+    """Write a safetensors file atomically (`trainer.files.atomic_path`: a .tmp file beside it, fsynced, renamed), so a
     crash never leaves a partial file under the final name. Written here rather than by `save_file` so the
     tensors stream from memory without a second copy and a full disk raises `OSError(ENOSPC)`. Returns bytes."""
     header: dict = {}
@@ -215,22 +189,12 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
     header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    tmp = path + TMP_SUFFIX
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for t in tensors.values():
-                if t.numel():
-                    f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(os.path.dirname(path))
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
     return 8 + len(raw) + offset
 
 

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from trainer.errors import DSparkError, UsageError, is_disk_full
+from trainer.files import TMP_SUFFIX, write_json_atomic
 from trainer.states.cache_format import (
     COMPLETE_FILE,
     DEFAULT_SHARD_TOKENS,
@@ -26,7 +27,6 @@ from trainer.states.cache_format import (
     DISK_MARGIN_BYTES,
     FORMAT_VERSION,
     PLAN_FILE,
-    TMP_SUFFIX,
     check_plan,
     dtype_name,
     human_bytes,
@@ -35,7 +35,6 @@ from trainer.states.cache_format import (
     shard_bytes,
     shard_metadata,
     shard_problem,
-    write_json_atomic,
     write_safetensors,
 )
 from trainer.states.source import DocumentStateSource, document_key
@@ -115,7 +114,7 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
     if todo and os.path.exists(complete):
         os.remove(complete)
     if old is None:
-        write_json_atomic(os.path.join(cache_dir, PLAN_FILE), plan)
+        write_json_atomic(os.path.join(cache_dir, PLAN_FILE), plan, indent=None)
 
     written_bytes = 0
     bar = tqdm(total=remaining_tokens, unit="tok", unit_scale=True, desc="caching hidden states", disable=not progress)
@@ -167,7 +166,7 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
                "seconds": seconds, "tokens_per_s": remaining_tokens / seconds if seconds > 0 else 0.0}
     if todo or not os.path.exists(complete):
         write_json_atomic(complete, {k: summary[k] for k in ("shards", "documents", "tokens", "bytes")} |
-                          {"format_version": FORMAT_VERSION})
+                          {"format_version": FORMAT_VERSION}, indent=None)
     logger.info("cache %s complete: %d shards written, %d skipped (already done); %d tokens written (%d in all), %s "
                 "written (%s in all), %.1f s, %.0f tokens/s", cache_dir, summary["written"], summary["skipped"],
                 remaining_tokens, plan["tokens"], human_bytes(written_bytes), human_bytes(total_bytes), seconds,

@@ -24,7 +24,8 @@ import torch
 
 from trainer.errors import DSparkError, is_disk_full
 from trainer.export.contract import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, read_json
-from trainer.train.checkpoints import CALIBRATION_FILE, write_json_atomic
+from trainer.files import atomic_path, write_json_atomic
+from trainer.train.checkpoints import CALIBRATION_FILE
 
 logger = logging.getLogger("dspark")
 
@@ -221,19 +222,15 @@ def write_folded_head(directory: str | os.PathLike, head: dict[str, torch.Tensor
     for name, value in head.items():
         tensors[name] = value.detach().to("cpu", tensors[name].dtype).contiguous()
     metadata = {**(metadata or {}), FOLD_METADATA_KEY: json.dumps({"a": a, "c": c})}
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        with atomic_path(path) as tmp:
+            save_file(tensors, tmp, metadata=metadata)
     except (OSError, RuntimeError) as e:
-        tmp.unlink(missing_ok=True)
         if is_disk_full(e):
             raise DSparkError(f"the disk of {directory} filled up while folding the confidence calibration into "
                               f"{path.name}, which is unchanged (not calibrated); free some space and rerun the same "
                               f"command with --resume_from_checkpoint latest.") from e
         raise
-    os.replace(tmp, path)
     return True
 
 

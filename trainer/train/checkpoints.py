@@ -46,6 +46,7 @@ from trainer.export.contract import (
     check_folder,
     read_json,
 )
+from trainer.files import replace_durably, temp_path, write_json_atomic
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: the Trainer names and rotates these
 COMPLETE_MARKER = "dspark_checkpoint.json"
@@ -79,15 +80,6 @@ def batch_log_file(output_dir: str, rank: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ completeness
-def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def mark_complete(directory: str, step: int) -> None:
     """Write the completion marker last and atomically: a checkpoint without it was interrupted mid-save."""
     write_json_atomic(os.path.join(directory, COMPLETE_MARKER), {"step": step, "complete": True, "time": time.time()})
@@ -125,7 +117,7 @@ def latest_usable_checkpoint(output_dir: str) -> str | None:
         except ServingError as e:
             target = os.path.join(output_dir, DAMAGED_PREFIX + os.path.basename(path))
             shutil.rmtree(target, ignore_errors=True)
-            os.replace(path, target)
+            replace_durably(path, target)
             logger.warning("%s is damaged (%s); moved aside as %s, resuming from the checkpoint before it", path, e,
                            os.path.basename(target))
             continue
@@ -140,7 +132,7 @@ def quarantine_incomplete(output_dir: str) -> list[str]:
         if not is_complete(path):
             target = os.path.join(output_dir, INCOMPLETE_PREFIX + os.path.basename(path))
             shutil.rmtree(target, ignore_errors=True)
-            os.replace(path, target)
+            replace_durably(path, target)
             moved.append(target)
     return moved
 
@@ -174,11 +166,11 @@ def update_best_link(output_dir: str, best: str | None) -> None:
     if not (best and os.path.isdir(best)):
         return
     link = os.path.join(output_dir, BEST_LINK)
-    tmp = f"{link}.tmp"
+    tmp = temp_path(link)
     if os.path.lexists(tmp):
         os.remove(tmp)
     os.symlink(os.path.basename(os.path.normpath(best)), tmp)
-    os.replace(tmp, link)
+    replace_durably(tmp, link)
 
 
 def write_summary(output_dir: str, summary: dict) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import Parser, run_cli
+from trainer.files import replace_durably
 
 CACHE_DIR = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 """Where converted models live (`$DSPARK_CACHE`, else `~/.cache/dspark`)."""
@@ -212,7 +213,7 @@ def _convert(entry: SmallModel, target: Path, scratch: Path) -> None:
         "note": "weights are dequantised from a quantised GGUF, not the original checkpoint",
     }
     (build / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-    os.replace(build, target)  # atomic: readers see either no folder or a complete one
+    replace_durably(build, target)  # atomic: readers see either no folder or a complete one
     print(f"converted {short} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
