@@ -17,7 +17,7 @@ Slot k of the block anchored at position p predicts token p+k+1; its Markov bias
 before it (x[p+k] in training, the previously proposed token when drafting).
 
 The file reads top to bottom like a transformers modeling file: helpers (the attention-mask predicate,
-document segments, sampling, the capture of the verifier's states), the building blocks, the outputs and the
+document positions, sampling, the capture of the verifier's states), the building blocks, the outputs and the
 draft cache, the pretrained base, the serving-time drafting and speculative generation (a mixin), and the
 model itself (training `forward`, heads, verifier weights). Parameter names and saved tensors follow the
 speculators checkpoint format that vLLM serves, so an exported drafter loads there unchanged.
@@ -134,7 +134,7 @@ def _attention_backend(config) -> str:
 
 
 # ================================================================================================
-# 2. Document segments of packed rows (the one home of "where does each document start").
+# 2. Document positions of packed rows (runs of equal document ids).
 # ================================================================================================
 def index_within_runs(values: torch.Tensor) -> torch.Tensor:
     """`[R, T]` -> `[R, T]`: the index of each element within its run of equal consecutive values.
@@ -154,23 +154,6 @@ def index_within_runs(values: torch.Tensor) -> torch.Tensor:
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """Positions that restart at 0 at every document boundary of a packed row (`[R, T]`)."""
     return index_within_runs(document_ids)
-
-
-def document_segments(document_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    """`(row, start, end)` of every document (run of equal ids `>= 0`) of packed rows `[R, T]`, `end` exclusive.
-
-    Row-major, left to right; padding runs (id `-1`) are skipped. Used to run each document through the
-    verifier on its own, so no state leaks across the documents of a packed row.
-    """
-    rows, length = document_ids.shape
-    if rows == 0 or length == 0:
-        return []
-    row, start = (index_within_runs(document_ids) == 0).nonzero(as_tuple=True)  # run starts, row-major
-    same_row_next = torch.zeros_like(row, dtype=torch.bool)
-    same_row_next[:-1] = row[1:] == row[:-1]
-    end = torch.where(same_row_next, start.roll(-1), torch.full_like(start, length))
-    keep = document_ids[row, start] >= 0
-    return list(zip(row[keep].tolist(), start[keep].tolist(), end[keep].tolist()))
 
 
 # ================================================================================================
@@ -337,16 +320,6 @@ class VerifierStateCapture:
     def last_hidden_state(self) -> torch.Tensor:
         """`[batch, seq, H]`: the last decoder layer's output before the verifier's final norm."""
         return self._states[len(self.layers)]
-
-
-@torch.no_grad()
-def verifier_hidden_states(
-    verifier: nn.Module, aux_layer_ids: Sequence[int], input_ids: torch.Tensor, **forward_kwargs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the verifier's decoder once (no output head) and return `(aux_hidden_states, last_hidden_state)`."""
-    with VerifierStateCapture(verifier, aux_layer_ids) as capture:
-        verifier_decoder(verifier)(input_ids=input_ids, use_cache=False, **forward_kwargs)
-    return capture.aux_hidden_states, capture.last_hidden_state
 
 
 # ================================================================================================
@@ -1159,12 +1132,10 @@ __all__ = [
     "SpeculativeGenerationOutput",
     "VerifierStateCapture",
     "verifier_decoder",
-    "verifier_hidden_states",
     "dspark_mask_mod",
     "build_attention_mask",
     "index_within_runs",
     "positions_from_document_ids",
-    "document_segments",
     "DRAFT_METHODS",
     "draft_sampling",
     "filter_logits",

@@ -202,7 +202,8 @@ def bench_extraction(verifier, aux_ids, sizes) -> tuple[dict, list]:
 def bench_draft(verifier, drafter, tokenizer, sizes) -> tuple[dict, list]:
     import torch
 
-    from modeling_dspark import DSparkDraftCache, verifier_hidden_states
+    from modeling_dspark import DSparkDraftCache
+    from trainer.states.in_process import verifier_hidden_states
 
     context, calls, new = sizes["context"], sizes["draft_calls"], sizes["new_per_call"]
     g = torch.Generator().manual_seed(1)

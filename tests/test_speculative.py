@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from modeling_dspark import DRAFT_METHODS, DSparkProposal, sampling_defaults, speculative_accept, verifier_hidden_states
+from modeling_dspark import DRAFT_METHODS, DSparkProposal, sampling_defaults, speculative_accept
 from tiny import VOCAB, tiny_drafter, tiny_gemma4_verifier, tiny_qwen3_verifier
+from trainer.states.in_process import verifier_hidden_states
 
 
 def processed(logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None):

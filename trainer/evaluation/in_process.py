@@ -126,7 +126,7 @@ def teacher_forced_acceptance(drafter, verifier, sequences: torch.Tensor, prompt
     determines the value (a mismatch inside the sequence, or the whole block inside it); the last step,
     cut by `max_new_tokens` or the end of sequence, may not be.
     """
-    from modeling_dspark import verifier_hidden_states
+    from trainer.states.in_process import verifier_hidden_states
 
     anchors = step_anchors(prompt_length, committed_per_step) if anchors is None else list(anchors)
     measured = list(committed_per_step)
