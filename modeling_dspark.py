@@ -17,10 +17,13 @@ Slot k of the block anchored at position p predicts token p+k+1; its Markov bias
 before it (x[p+k] in training, the previously proposed token when drafting).
 
 The file reads top to bottom like a transformers modeling file: helpers (the attention-mask predicate,
-document segments, sampling, the capture of the verifier's states), the building blocks, the outputs and the
-draft cache, the pretrained base, the serving-time drafting and speculative generation (a mixin), and the
-model itself (training `forward`, heads, verifier weights). Parameter names and saved tensors follow the
-speculators checkpoint format that vLLM serves, so an exported drafter loads there unchanged.
+document positions, the draft's sampling distributions, the capture of the verifier's states), the building blocks,
+the outputs and the draft cache, the pretrained base, and the model itself (draft vocabulary, verifier weights,
+heads, backbone, training `forward`, and `draft()`, one serving-time proposal). The speculative decoding loop that
+drives `draft()` against a verifier is not the model: it is `generation_dspark.py`, shipped in exported repos as
+`custom_generate/generate.py` for `verifier.generate(..., custom_generate=<repo>, drafter=...)`. Parameter names
+and saved tensors follow the speculators checkpoint format that vLLM serves, so an exported drafter loads there
+unchanged.
 """
 
 from collections.abc import Callable, Sequence
@@ -134,7 +137,7 @@ def _attention_backend(config) -> str:
 
 
 # ================================================================================================
-# 2. Document segments of packed rows (the one home of "where does each document start").
+# 2. Document positions of packed rows (runs of equal document ids).
 # ================================================================================================
 def index_within_runs(values: torch.Tensor) -> torch.Tensor:
     """`[R, T]` -> `[R, T]`: the index of each element within its run of equal consecutive values.
@@ -156,25 +159,8 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return index_within_runs(document_ids)
 
 
-def document_segments(document_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    """`(row, start, end)` of every document (run of equal ids `>= 0`) of packed rows `[R, T]`, `end` exclusive.
-
-    Row-major, left to right; padding runs (id `-1`) are skipped. Used to run each document through the
-    verifier on its own, so no state leaks across the documents of a packed row.
-    """
-    rows, length = document_ids.shape
-    if rows == 0 or length == 0:
-        return []
-    row, start = (index_within_runs(document_ids) == 0).nonzero(as_tuple=True)  # run starts, row-major
-    same_row_next = torch.zeros_like(row, dtype=torch.bool)
-    same_row_next[:-1] = row[1:] == row[:-1]
-    end = torch.where(same_row_next, start.roll(-1), torch.full_like(start, length))
-    keep = document_ids[row, start] >= 0
-    return list(zip(row[keep].tolist(), start[keep].tolist(), end[keep].tolist()))
-
-
 # ================================================================================================
-# 3. Sampling: filtering, distributions, draft methods, drawing, defaults from a generation config.
+# 3. Sampling distributions: filtering, the distribution a draft (or the verifier) draws from, draft methods.
 # ================================================================================================
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """Top-k then top-p (nucleus) filtering on the last dim; removed entries become -inf."""
@@ -217,7 +203,7 @@ def draft_sampling(
     * "greedy" (vLLM's default, `draft_sample_method: greedy`): the argmax of the draft logits whatever the
       verifier's temperature, so temperature 0 here. vLLM then treats the draft distribution as one-hot in
       rejection sampling: draft d is accepted with the verifier's probability p(d), and on rejection the token is
-      drawn from p with d removed, renormalised (`speculative_accept` with a one-hot q is exactly that).
+      drawn from p with d removed, renormalised (`generation_dspark.speculative_accept` with a one-hot q is that).
     * "probabilistic" (vLLM's `draft_sample_method: probabilistic`): the softmax of the draft logits at the
       verifier's temperature only. vLLM ignores the request's top-k/top-p when drafting (they shape only the
       verifier's distribution): that costs acceptance, never correctness.
@@ -237,37 +223,6 @@ def draft_sampling(
     if draft_method == "probabilistic":
         return {"temperature": temperature, "top_k": None, "top_p": None}
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id from a probability vector (argmax when it is one-hot, i.e. greedy)."""
-    if bool((probs.max() == 1.0) & (probs.sum() == 1.0)):
-        return probs.argmax()
-    return torch.multinomial(probs.cpu(), 1, generator=generator).view(()).to(probs.device)
-
-
-def sampling_defaults(
-    generation_config, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None
-) -> dict:
-    """`{"temperature", "top_k", "top_p"}` to decode with: explicit arguments win, the verifier's
-    `generation_config` (may be None) fills in the rest.
-
-    * `temperature=None` -> the config's temperature (1.0 when it has none) if the config samples
-      (`do_sample`), else 0.0 (greedy). An explicit 0 forces greedy.
-    * `top_k` / `top_p` -> the argument, else the config's value, but only when sampling (temperature > 0);
-      greedy decoding ignores them, so they are None then.
-    """
-    if temperature is None:
-        sampling = bool(getattr(generation_config, "do_sample", False))
-        temperature = float(getattr(generation_config, "temperature", 1.0) or 1.0) if sampling else 0.0
-    temperature = float(temperature)
-    if temperature <= 0:
-        return {"temperature": temperature, "top_k": None, "top_p": None}
-    return {
-        "temperature": temperature,
-        "top_k": top_k if top_k is not None else getattr(generation_config, "top_k", None),
-        "top_p": top_p if top_p is not None else getattr(generation_config, "top_p", None),
-    }
 
 
 # ================================================================================================
@@ -337,16 +292,6 @@ class VerifierStateCapture:
     def last_hidden_state(self) -> torch.Tensor:
         """`[batch, seq, H]`: the last decoder layer's output before the verifier's final norm."""
         return self._states[len(self.layers)]
-
-
-@torch.no_grad()
-def verifier_hidden_states(
-    verifier: nn.Module, aux_layer_ids: Sequence[int], input_ids: torch.Tensor, **forward_kwargs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the verifier's decoder once (no output head) and return `(aux_hidden_states, last_hidden_state)`."""
-    with VerifierStateCapture(verifier, aux_layer_ids) as capture:
-        verifier_decoder(verifier)(input_ids=input_ids, use_cache=False, **forward_kwargs)
-    return capture.aux_hidden_states, capture.last_hidden_state
 
 
 # ================================================================================================
@@ -556,15 +501,6 @@ class DSparkProposal(ModelOutput):
     logits: torch.Tensor | None = None
 
 
-@dataclass
-class SpeculativeGenerationOutput(ModelOutput):
-    """`sequences` `[1, prompt + new]`; `committed_per_step` the tokens committed by each verification step
-    (accepted drafts + the corrected or bonus token, so 1..B+1; its mean is the acceptance length)."""
-
-    sequences: torch.LongTensor | None = None
-    committed_per_step: list[int] | None = None
-
-
 class DSparkDraftCache:
     """Per-layer context K/V of the verified tokens so far, extended incrementally between proposals
     (the same precomputation vLLM does): each `draft()` call then costs one block pass, not a re-read of
@@ -618,220 +554,9 @@ class DSparkPreTrainedModel(PreTrainedModel):
 
 
 # ================================================================================================
-# 8. Drafting and speculative generation (serving time).
+# 8. The model.
 # ================================================================================================
-def speculative_accept(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int, torch.Tensor]:
-    """Standard speculative sampling over one block (Leviathan et al.; Chen et al.).
-
-    `target_probs` `[B+1, V]` are the verifier's (processed) distributions after the last committed token and
-    after each draft; `draft_probs` `[B, V]` the distributions the drafts were drawn from. Draft i is accepted
-    with probability `min(1, p_i(d)/q_i(d))`; at the first rejection the next token is drawn from the residual
-    `max(0, p_i - q_i)` (normalised); if all B pass, a bonus token is drawn from `p_B`. Greedy drafts (vLLM's
-    default) are the case of a one-hot q: d is accepted with probability p(d) and the replacement is drawn from p
-    without d, renormalised, which is how vLLM verifies them; greedy decoding is the case of one-hot p and q
-    (exact-match acceptance). Returns `(number accepted, next token)`.
-    """
-    for i, d in enumerate(drafts.tolist()):
-        p, q = target_probs[i, d], draft_probs[i, d]
-        if p >= q:
-            continue  # min(1, p/q) = 1: accept without drawing
-        u = torch.rand((), generator=generator).item()
-        if q > 0 and u < (p / q).item():
-            continue
-        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-        if residual.sum() <= 0:
-            residual = target_probs[i]
-        return i, sample_from(residual / residual.sum(), generator)
-    return len(drafts), sample_from(target_probs[len(drafts)], generator)
-
-
-class DSparkDraftingMixin:
-    """Serving-time use of a DSpark drafter: `draft` (one proposal, as vLLM computes it) and
-    `speculative_generate` (lossless in-process speculative decoding with a Hugging Face verifier).
-
-    Mixed into `DSparkDraftModel`, whose backbone (`fuse_context`, `_run_layers`, `_masks`, `embed_tokens`)
-    and heads (`lm_head`, `markov_head`, `compute_confidence`) it calls. Deliberately not named
-    `*GenerationMixin`: transformers treats any base class with that name as HF `generate` support and would
-    then write a `generation_config.json` this model does not have.
-    """
-
-    @torch.no_grad()
-    def draft(
-        self,
-        aux_hidden_states: torch.Tensor,
-        bonus_token_id: int | torch.Tensor,
-        cache: DSparkDraftCache | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        draft_method: str = "greedy",
-    ) -> DSparkProposal:
-        """Propose B tokens after the verified context, computed as vLLM serves the drafter.
-
-        Args:
-            aux_hidden_states: `[n, k*H]` (or `[1, n, k*H]`) verifier aux states of the context tokens not yet
-                in `cache` (all of them when `cache` is None). Context tokens sit at positions 0..len-1.
-            bonus_token_id: the last token the verifier produced (the anchor), at position `len(context)`.
-            cache: a `DSparkDraftCache` reused across calls of one sequence (extended in place).
-            temperature / top_k / top_p: the verifier's sampling settings (0: greedy decoding).
-            draft_method: how each slot's token is drawn from its logits, as vLLM's `draft_sample_method`
-                (`draft_sampling`): "greedy" (the default, vLLM's) takes the argmax even when the verifier
-                samples; "probabilistic" samples at `temperature` only (no top-k/top-p, as vLLM does);
-                "filtered" samples from the tempered, top-k/top-p-filtered distribution (not what vLLM serves).
-                At temperature 0 every method is greedy. `probs` is the distribution each draft was drawn from.
-
-        The context's K/V per layer are projected once and appended to the cache. Then one backbone pass over
-        the block `[bonus, MASK x (B-1)]` at positions `len .. len+B-1`, which sees the context (a single
-        document; the anchor is the bonus token, whose own verifier state does not exist yet; on sliding layers
-        only the keys within each query's window) and its own block, with the training mask. Then B sequential
-        Markov steps: slot k's bias is conditioned on the previously proposed token (the bonus for slot 0),
-        mapped to verifier ids, exactly the teacher-forced chain of training when the proposals are correct.
-        """
-        drawing = draft_sampling(draft_method, temperature, top_k, top_p)  # refuses an unknown method first
-        cache = cache if cache is not None else DSparkDraftCache()
-        aux = aux_hidden_states.reshape(1, -1, aux_hidden_states.shape[-1])
-        device = self.fc.weight.device
-        if aux.shape[1]:
-            new_positions = torch.arange(cache.length, cache.length + aux.shape[1], device=device).unsqueeze(0)
-            context = self.fuse_context(aux.to(device))
-            rope = self._position_embeddings(context, new_positions)
-            cache.update([layer.self_attn.project_context(context, rope) for layer in self.layers])
-        if cache.length == 0:
-            raise ValueError("draft() needs the verifier states of at least one context token.")
-        block = self.block_size
-        n = cache.length
-        bonus = torch.as_tensor(bonus_token_id, device=device).reshape(1)
-        tokens = torch.full((1, block), self.config.mask_token_id, dtype=torch.long, device=device)
-        tokens[0, 0] = bonus[0]
-        positions = (n + torch.arange(block, device=device)).unsqueeze(0)
-        embeds = self.embed_tokens(tokens)
-        masks = self._masks(
-            torch.zeros(1, n, dtype=torch.long, device=device),
-            torch.full((1, 1), n, dtype=torch.long, device=device),
-            torch.zeros(1, 1, dtype=torch.long, device=device),
-            block, n + block, embeds.dtype,
-        )
-        hidden = self._run_layers(embeds, positions, list(zip(cache.keys, cache.values)), masks)[0]  # [B, H]
-        base = self.lm_head(hidden).float()
-
-        previous = bonus.long()
-        out_draft, out_tokens, out_probs, out_logits, out_conf = [], [], [], [], []
-        for k in range(block):
-            h = hidden[k : k + 1]
-            logits = base[k : k + 1]
-            if self.markov_head is not None:
-                logits = logits + self.markov_head(previous).float()
-            confidence = self.compute_confidence(h, previous)
-            probs = sampling_distribution(logits, **drawing)
-            if drawing["temperature"] > 0:
-                draft_id = torch.multinomial(probs.cpu(), 1, generator=generator).view(1).to(device)
-            else:  # one-hot on the argmax
-                draft_id = logits.argmax(dim=-1)
-            token = self.draft_to_verifier_ids(draft_id)
-            out_draft.append(draft_id)
-            out_tokens.append(token)
-            out_probs.append(probs)
-            out_logits.append(logits)
-            if confidence is not None:
-                out_conf.append(torch.sigmoid(confidence.float()))
-            previous = token
-        return DSparkProposal(
-            token_ids=torch.cat(out_tokens),
-            draft_token_ids=torch.cat(out_draft),
-            probs=torch.cat(out_probs),
-            confidence=torch.cat(out_conf) if out_conf else None,
-            logits=torch.cat(out_logits),
-        )
-
-    @torch.no_grad()
-    def speculative_generate(
-        self,
-        verifier: nn.Module,
-        input_ids: torch.LongTensor,
-        max_new_tokens: int = 256,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | list[int] | None = None,
-        generator: torch.Generator | None = None,
-        draft_method: str = "greedy",
-    ) -> SpeculativeGenerationOutput:
-        """Generate with the verifier, drafting B tokens per step with this drafter (batch size 1).
-
-        Each step drafts `[d_1..d_B]` after the last committed token, scores `[last, d_1..d_B]` with one cached
-        verifier forward, and accepts the longest prefix by standard speculative sampling (`min(1, p/q)`, residual
-        resampling from `max(0, p - q)`, then a bonus token from the verifier when all drafts pass). The output is
-        the verifier's own: token-identical to greedy `generate` at temperature 0, identically distributed above,
-        whichever `draft_method` drafts (`draft()`: "greedy", vLLM's default, argmax drafts checked as one-hot;
-        "probabilistic", vLLM's, drafts sampled at the temperature only; "filtered", drafts sampled with the
-        verifier's top-k/top-p too). The draft method changes only how many drafts are accepted.
-
-        Sampling settings default to the verifier's `generation_config` (`sampling_defaults`: greedy when it
-        does not sample); `temperature=0` forces greedy. Returns the sequences and the tokens committed per
-        verification step.
-        """
-        gen = getattr(verifier, "generation_config", None)
-        sampling = sampling_defaults(gen, temperature, top_k, top_p)
-        temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
-        draft_sampling(draft_method, temperature, top_k, top_p)  # an unknown method is refused before any forward
-        if eos_token_id is None:
-            eos_token_id = getattr(gen, "eos_token_id", None)
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
-        if input_ids.shape[0] != 1:
-            raise ValueError("speculative_generate drafts for one sequence at a time; pass input_ids of shape [1, n].")
-        device = next(verifier.parameters()).device
-        input_ids = input_ids.to(device)
-        vocab = verifier.config.get_text_config().vocab_size
-        draft_ids = self.draft_vocab_ids.to(device)
-        block = self.block_size
-
-        def distribution(logits: torch.Tensor) -> torch.Tensor:  # the verifier's processed distribution
-            return sampling_distribution(logits[..., :vocab], temperature, top_k, top_p)
-
-        capture = VerifierStateCapture(verifier, self.config.aux_hidden_state_layer_ids)
-        with capture:
-            out = verifier(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        cache.activate_past_recording()  # sliding-window layers keep what a rejected draft must roll back
-        context = capture.aux_hidden_states[0]
-        token = sample_from(distribution(out.logits[0, -1]), generator)
-        generated = [int(token)]
-        committed: list[int] = []
-        draft_cache = DSparkDraftCache()
-        while len(generated) < max_new_tokens and generated[-1] not in eos:
-            proposal = self.draft(context, token, cache=draft_cache, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, generator=generator, draft_method=draft_method)
-            drafts = proposal.token_ids.to(device)
-            step_ids = torch.cat([token.view(1).to(device), drafts]).unsqueeze(0)
-            with capture:
-                out = verifier(input_ids=step_ids, past_key_values=cache, use_cache=True)
-            if temperature <= 0:  # one-hot p and q: speculative sampling is the longest run of exact matches
-                targets = out.logits[0, :, :vocab].argmax(-1)
-                accepted = int((drafts == targets[:block]).long().cumprod(0).sum())
-                token = targets[accepted]
-            else:
-                q = torch.zeros(block, vocab, device=device).index_copy_(1, draft_ids, proposal.probs.to(device))
-                accepted, token = speculative_accept(distribution(out.logits[0]), q, drafts, generator)
-            cache.crop(-(block - accepted))  # forget the rejected drafts' keys and values
-            context = capture.aux_hidden_states[0, : accepted + 1]  # states of `token`'s predecessors, now verified
-            committed.append(accepted + 1)
-            for t in [*drafts[:accepted].tolist(), int(token)]:
-                generated.append(t)
-                if t in eos or len(generated) >= max_new_tokens:
-                    break
-        new = torch.tensor(generated[:max_new_tokens], device=device).unsqueeze(0)
-        return SpeculativeGenerationOutput(sequences=torch.cat([input_ids, new], dim=1), committed_per_step=committed)
-
-
-# ================================================================================================
-# 9. The model.
-# ================================================================================================
-class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
+class DSparkDraftModel(DSparkPreTrainedModel):
     """The DSpark drafter. See the module docstring for the computation.
 
     Weights owned by the verifier are not part of this model's state: the input embedding is shared
@@ -1148,30 +873,113 @@ class DSparkDraftModel(DSparkPreTrainedModel, DSparkDraftingMixin):
             previous_features=features,
         )
 
+    # ------------------------------------------------------------------ drafting (serving time)
+    @torch.no_grad()
+    def draft(
+        self,
+        aux_hidden_states: torch.Tensor,
+        bonus_token_id: int | torch.Tensor,
+        cache: DSparkDraftCache | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        draft_method: str = "greedy",
+    ) -> DSparkProposal:
+        """Propose B tokens after the verified context, computed as vLLM serves the drafter.
+
+        Args:
+            aux_hidden_states: `[n, k*H]` (or `[1, n, k*H]`) verifier aux states of the context tokens not yet
+                in `cache` (all of them when `cache` is None). Context tokens sit at positions 0..len-1.
+            bonus_token_id: the last token the verifier produced (the anchor), at position `len(context)`.
+            cache: a `DSparkDraftCache` reused across calls of one sequence (extended in place).
+            temperature / top_k / top_p: the verifier's sampling settings (0: greedy decoding).
+            draft_method: how each slot's token is drawn from its logits, as vLLM's `draft_sample_method`
+                (`draft_sampling`): "greedy" (the default, vLLM's) takes the argmax even when the verifier
+                samples; "probabilistic" samples at `temperature` only (no top-k/top-p, as vLLM does);
+                "filtered" samples from the tempered, top-k/top-p-filtered distribution (not what vLLM serves).
+                At temperature 0 every method is greedy. `probs` is the distribution each draft was drawn from.
+
+        The context's K/V per layer are projected once and appended to the cache. Then one backbone pass over
+        the block `[bonus, MASK x (B-1)]` at positions `len .. len+B-1`, which sees the context (a single
+        document; the anchor is the bonus token, whose own verifier state does not exist yet; on sliding layers
+        only the keys within each query's window) and its own block, with the training mask. Then B sequential
+        Markov steps: slot k's bias is conditioned on the previously proposed token (the bonus for slot 0),
+        mapped to verifier ids, exactly the teacher-forced chain of training when the proposals are correct.
+        """
+        drawing = draft_sampling(draft_method, temperature, top_k, top_p)  # refuses an unknown method first
+        cache = cache if cache is not None else DSparkDraftCache()
+        aux = aux_hidden_states.reshape(1, -1, aux_hidden_states.shape[-1])
+        device = self.fc.weight.device
+        if aux.shape[1]:
+            new_positions = torch.arange(cache.length, cache.length + aux.shape[1], device=device).unsqueeze(0)
+            context = self.fuse_context(aux.to(device))
+            rope = self._position_embeddings(context, new_positions)
+            cache.update([layer.self_attn.project_context(context, rope) for layer in self.layers])
+        if cache.length == 0:
+            raise ValueError("draft() needs the verifier states of at least one context token.")
+        block = self.block_size
+        n = cache.length
+        bonus = torch.as_tensor(bonus_token_id, device=device).reshape(1)
+        tokens = torch.full((1, block), self.config.mask_token_id, dtype=torch.long, device=device)
+        tokens[0, 0] = bonus[0]
+        positions = (n + torch.arange(block, device=device)).unsqueeze(0)
+        embeds = self.embed_tokens(tokens)
+        masks = self._masks(
+            torch.zeros(1, n, dtype=torch.long, device=device),
+            torch.full((1, 1), n, dtype=torch.long, device=device),
+            torch.zeros(1, 1, dtype=torch.long, device=device),
+            block, n + block, embeds.dtype,
+        )
+        hidden = self._run_layers(embeds, positions, list(zip(cache.keys, cache.values)), masks)[0]  # [B, H]
+        base = self.lm_head(hidden).float()
+
+        previous = bonus.long()
+        out_draft, out_tokens, out_probs, out_logits, out_conf = [], [], [], [], []
+        for k in range(block):
+            h = hidden[k : k + 1]
+            logits = base[k : k + 1]
+            if self.markov_head is not None:
+                logits = logits + self.markov_head(previous).float()
+            confidence = self.compute_confidence(h, previous)
+            probs = sampling_distribution(logits, **drawing)
+            if drawing["temperature"] > 0:
+                draft_id = torch.multinomial(probs.cpu(), 1, generator=generator).view(1).to(device)
+            else:  # one-hot on the argmax
+                draft_id = logits.argmax(dim=-1)
+            token = self.draft_to_verifier_ids(draft_id)
+            out_draft.append(draft_id)
+            out_tokens.append(token)
+            out_probs.append(probs)
+            out_logits.append(logits)
+            if confidence is not None:
+                out_conf.append(torch.sigmoid(confidence.float()))
+            previous = token
+        return DSparkProposal(
+            token_ids=torch.cat(out_tokens),
+            draft_token_ids=torch.cat(out_draft),
+            probs=torch.cat(out_probs),
+            confidence=torch.cat(out_conf) if out_conf else None,
+            logits=torch.cat(out_logits),
+        )
+
 
 __all__ = [
     "DSparkDraftModel",
     "DSparkPreTrainedModel",
-    "DSparkDraftingMixin",
     "DSparkDraftOutput",
     "DSparkProposal",
     "DSparkDraftCache",
-    "SpeculativeGenerationOutput",
     "VerifierStateCapture",
     "verifier_decoder",
-    "verifier_hidden_states",
     "dspark_mask_mod",
     "build_attention_mask",
     "index_within_runs",
     "positions_from_document_ids",
-    "document_segments",
     "DRAFT_METHODS",
     "draft_sampling",
     "filter_logits",
     "sampling_distribution",
-    "sample_from",
-    "sampling_defaults",
-    "speculative_accept",
 ]
 
 DSparkConfig.register_for_auto_class()

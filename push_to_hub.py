@@ -8,12 +8,14 @@ The export runs in three steps, and any failure stops it before anything reaches
 
 1. **Stage** a folder that is exactly the serving contract (the tensor list in `trainer/export/contract.py`): bf16
    `model.safetensors` with only the contract's tensors and nothing of the verifier, `config.json` naming
-   the verifier by Hub id (vLLM 0.33 refuses local paths there), the two remote-code files, `README.md` (the
+   the verifier by Hub id (vLLM 0.33 refuses local paths there), the two remote-code files, the decoding loop
+   as `custom_generate/generate.py` (for `verifier.generate(..., custom_generate=<repo>)`), `README.md` (the
    model card, rendered from the checkpoint's config, its saved run configuration and the given evaluation
    results, never from typed numbers) and, with results, the per-position acceptance plot.
 2. **Validate** the staged folder: the structural checks vLLM applies to a speculators config, the exact
    tensor set with its dtypes, finite weights equal to the checkpoint's (bf16-rounded), and a load through
-   `AutoModel.from_pretrained(..., trust_remote_code=True)` in a fresh process with an empty module cache,
+   `AutoModel.from_pretrained(..., trust_remote_code=True)` (and of `custom_generate/generate.py` through
+   transformers' loader) in a fresh process with an empty module cache,
    which is what a user of the pushed repo runs.
 3. **Upload** the folder in one commit with `huggingface_hub` (`create_repo(exist_ok=True)`, optional
    branch, one `upload_folder`), after refusing to overwrite a repo that holds a drafter for a different
@@ -133,7 +135,8 @@ def _check_repo_id(repo_id: str) -> None:
 
 def _staged_export(path: Path) -> bool:
     """A directory holding only files an export writes (safe to replace on a repeated --dry-run)."""
-    return all(p.is_file() and is_export_file(p.name) for p in path.iterdir())
+    return all(p.is_file() and is_export_file(p.relative_to(path).as_posix())
+               for p in path.rglob("*") if not p.is_dir())
 
 
 def _print_plan(staged: Staged, args, out=None) -> None:

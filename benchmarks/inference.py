@@ -9,12 +9,13 @@
     `trainer.config.RunConfig`; random weights unless `--drafter` names a trained one, then `attach_verifier`):
     steady state (a 512-token draft cache, 2 newly verified tokens per call, as in generation) and cold (the
     whole 512-token context projected in the call), plus the top torch ops of the steady-state calls;
-(c) in-process speculative generation at T = 0 (`speculative_generate`) against the verifier alone (`generate`,
+(c) in-process speculative generation at T = 0 (`generation_dspark.speculative_generate`) against the verifier alone (`generate`,
     greedy, same prompts and max_new_tokens): tokens/s, whether the outputs are identical (they must be), and the
     share of the speculative steps' wall time spent outside the verifier's forward, `overhead = 1 -
     verifier_forward_time / total` (forward calls timed with hooks on the verifier; the prefill is excluded),
     split into `draft()`, `speculative_accept` and the rest, plus a cProfile of one speculative generation:
-    the functions of modeling_dspark.py and the builtins that take the time outside the verifier.
+    the functions of modeling_dspark.py and generation_dspark.py and the builtins that take the time outside the
+    verifier.
 
 A random drafter accepts almost nothing (acceptance length ~1.0), so (c)'s speculative tokens/s is below the
 verifier's; the overhead share is what this measures. The target is overhead <= 10%.
@@ -203,7 +204,8 @@ def bench_extraction(verifier, aux_ids, sizes) -> tuple[dict, list]:
 def bench_draft(verifier, drafter, tokenizer, sizes) -> tuple[dict, list]:
     import torch
 
-    from modeling_dspark import DSparkDraftCache, verifier_hidden_states
+    from modeling_dspark import DSparkDraftCache
+    from trainer.states.in_process import verifier_hidden_states
 
     context, calls, new = sizes["context"], sizes["draft_calls"], sizes["new_per_call"]
     g = torch.Generator().manual_seed(1)
@@ -256,7 +258,7 @@ def bench_draft(verifier, drafter, tokenizer, sizes) -> tuple[dict, list]:
 def bench_generation(verifier, drafter, tokenizer, sizes) -> tuple[dict, list, dict]:
     import torch
 
-    import modeling_dspark
+    import generation_dspark
     from trainer.verifier.loading import generation_kwargs
 
     max_new = sizes["max_new_tokens"]
@@ -268,15 +270,15 @@ def bench_generation(verifier, drafter, tokenizer, sizes) -> tuple[dict, list, d
             return verifier.generate(ids, **kwargs)
 
     def speculative(ids):
-        return drafter.speculative_generate(verifier, ids, max_new_tokens=max_new, temperature=0.0)
+        return generation_dspark.speculative_generate(drafter, verifier, ids, max_new_tokens=max_new, temperature=0.0)
 
     # warm-up both paths on a short run
     short = prompts[0][1]
     verifier.generate(short, **dict(kwargs, max_new_tokens=4))
-    drafter.speculative_generate(verifier, short, max_new_tokens=4, temperature=0.0)
+    generation_dspark.speculative_generate(drafter, verifier, short, max_new_tokens=4, temperature=0.0)
 
     per_prompt = []
-    accept_timer = CallTimer(modeling_dspark.speculative_accept)
+    accept_timer = CallTimer(generation_dspark.speculative_accept)
     draft_timer = CallTimer(drafter.draft)
     for name, ids in prompts:
         with ForwardTimer(verifier) as vt:
@@ -287,15 +289,15 @@ def bench_generation(verifier, drafter, tokenizer, sizes) -> tuple[dict, list, d
         base_calls = len(vt.calls)
         accept_timer.seconds = draft_timer.seconds = 0.0
         accept_timer.count = draft_timer.count = 0
-        modeling_dspark.speculative_accept = accept_timer
-        drafter.draft = draft_timer  # speculative_generate calls self.draft: the instance attribute wins
+        generation_dspark.speculative_accept = accept_timer
+        drafter.draft = draft_timer  # speculative_generate calls drafter.draft: the instance attribute wins
         try:
             with ForwardTimer(verifier) as vt:
                 start = time.perf_counter()
                 spec = speculative(ids)
                 end = time.perf_counter()
         finally:
-            modeling_dspark.speculative_accept = accept_timer.fn
+            generation_dspark.speculative_accept = accept_timer.fn
             del drafter.draft
         prefill_end = vt.calls[0][1]
         steps_wall = end - prefill_end
@@ -367,10 +369,12 @@ def drafter_origin(drafter) -> str:
 
 def profile_generation(verifier, drafter, ids, max_new) -> dict:
     """cProfile one speculative generation; report what takes the time outside the verifier's forward."""
+    import generation_dspark
+
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
-    drafter.speculative_generate(verifier, ids, max_new_tokens=max_new, temperature=0.0)
+    generation_dspark.speculative_generate(drafter, verifier, ids, max_new_tokens=max_new, temperature=0.0)
     prof.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(prof)
@@ -390,8 +394,8 @@ def profile_generation(verifier, drafter, ids, max_new) -> dict:
     non_verifier = max(gen_cum - verifier_cum, 1e-9)
     ours = []
     for (file, line, name), (_, nc, tt, ct, _) in raw.items():
-        if os.path.basename(file) == "modeling_dspark.py" and name != "speculative_generate":
-            ours.append(dict(function=f"{name} (modeling_dspark.py:{line})", calls=nc, cumulative_s=ct, self_s=tt,
+        if os.path.basename(file) in ("modeling_dspark.py", "generation_dspark.py") and name != "speculative_generate":
+            ours.append(dict(function=f"{name} ({os.path.basename(file)}:{line})", calls=nc, cumulative_s=ct, self_s=tt,
                              share_of_non_verifier=ct / non_verifier))
     ours.sort(key=lambda d: d["cumulative_s"], reverse=True)
     # self time of every function and builtin over the whole call (the verifier's own ops included)
@@ -470,7 +474,7 @@ def describe(out: dict) -> None:
     if "generation" in out:
         prof = out["generation"]["profile"]
         print(f"\n(c) cProfile of one speculative generation: {prof['profiled_total_s']:.2f} s, of which "
-              f"{prof['non_verifier_share']:.1%} outside the verifier forward; modeling_dspark.py by cumulative time:")
+              f"{prof['non_verifier_share']:.1%} outside the verifier forward; modeling_dspark.py/generation_dspark.py by cumulative time:")
         for item in prof["modeling_dspark"][:10]:
             print(f"  {item['function']:<60} {item['cumulative_s'] * 1e3:9.1f} ms  "
                   f"{item['share_of_non_verifier']:6.1%}  x{item['calls']}")

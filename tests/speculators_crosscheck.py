@@ -23,8 +23,9 @@ from speculators import SpeculatorModel  # noqa: E402
 from speculators.models.dflash import core as dflash_core  # noqa: E402
 from torch.nn.attention.flex_attention import create_mask  # noqa: E402
 
-from modeling_dspark import positions_from_document_ids, verifier_hidden_states  # noqa: E402
+from modeling_dspark import positions_from_document_ids  # noqa: E402
 from tiny import VOCAB, tiny_drafter, tiny_gemma4_verifier, tiny_qwen3_verifier  # noqa: E402
+from trainer.states.in_process import verifier_hidden_states  # noqa: E402
 
 TOL = 2e-5
 

@@ -11,11 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from modeling_dspark import positions_from_document_ids, verifier_hidden_states
+from modeling_dspark import positions_from_document_ids
 from tiny import VOCAB, tiny_drafter
 from trainer.config import RunConfig
 from trainer.errors import UsageError
 from trainer.run import train
+from trainer.states.in_process import verifier_hidden_states
 from trainer.train.calibration import (
     FOLD_METADATA_KEY,
     HEAD_BIAS,

@@ -440,7 +440,7 @@ def test_kill_9_and_a_full_disk_during_push_staging(calibrated, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "left by an interrupted dry run" in rerun.stdout
     assert_exported(out)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     # The disk fills while a second export is staged: the first one is untouched and the staging folder is gone.
     (tmp_path / "fault-reached").unlink()
     full = subprocess.run(push_args(calibrated, out), cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -449,7 +449,7 @@ def test_kill_9_and_a_full_disk_during_push_staging(calibrated, tmp_path):
     line = error_line(full.stderr)
     assert line.startswith(f"error: staging into {out.parent}/exported.tmp-") and "No space left on device" in line
     assert line.endswith("free disk space there or choose another --dry-run directory, then rerun.")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert_exported(out)
 
 

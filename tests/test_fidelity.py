@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from generation_dspark import speculative_generate
 from tiny import VOCAB, tiny_drafter, tiny_gemma4_verifier, tiny_qwen3_verifier
 from trainer.evaluation.in_process import FidelityWarning, evaluate_in_process, step_anchors, teacher_forced_acceptance
 
@@ -82,7 +83,7 @@ def test_step_anchors_are_where_draft_is_called(qwen3_verifier, monkeypatch):
     monkeypatch.setattr(drafter, "draft", spy)
     for ids in prompts:
         seen.clear()
-        out = drafter.speculative_generate(qwen3_verifier, ids, max_new_tokens=20, temperature=0, eos_token_id=[])
+        out = speculative_generate(drafter, qwen3_verifier, ids, max_new_tokens=20, temperature=0, eos_token_id=[])
         anchors = step_anchors(ids.shape[1], out.committed_per_step)
         assert seen == [(a, int(out.sequences[0, a])) for a in anchors]
 
@@ -102,7 +103,7 @@ def test_teacher_forced_acceptance_equals_the_measured_one(make, kind):
         drafter = bigram_drafter(verifier, refs, draft_vocab_size=200 if kind == "bigram-draft-vocab" else None)
     measured, teacher_forced = [], []
     for ids in prompts:
-        out = drafter.speculative_generate(verifier, ids, max_new_tokens=24, temperature=0, eos_token_id=[])
+        out = speculative_generate(drafter, verifier, ids, max_new_tokens=24, temperature=0, eos_token_id=[])
         check = teacher_forced_acceptance(drafter, verifier, out.sequences, ids.shape[1], out.committed_per_step)
         assert check.measured == out.committed_per_step and check.differing == [], check
         uncompared = [i for i, t in enumerate(check.teacher_forced) if t is None]
@@ -120,7 +121,7 @@ def test_the_check_fails_when_the_anchors_are_off_by_one(gemma4_verifier):
     drafter = bigram_drafter(gemma4_verifier, greedy_references(gemma4_verifier, prompts, 24))
     differing = 0
     for ids in prompts:
-        out = drafter.speculative_generate(gemma4_verifier, ids, max_new_tokens=24, temperature=0, eos_token_id=[])
+        out = speculative_generate(drafter, gemma4_verifier, ids, max_new_tokens=24, temperature=0, eos_token_id=[])
         shifted = [a + 1 for a in step_anchors(ids.shape[1], out.committed_per_step)]
         shifted[-1] = min(shifted[-1], out.sequences.shape[1] - 1)
         check = teacher_forced_acceptance(drafter, gemma4_verifier, out.sequences, ids.shape[1],

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _inputs(verifier, drafter, rows: int = 2, length: int = 96):
-    from modeling_dspark import verifier_hidden_states
+    from trainer.states.in_process import verifier_hidden_states
     from trainer.train.anchors import sample_anchors
 
     g = torch.Generator().manual_seed(0)

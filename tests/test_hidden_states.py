@@ -2,9 +2,9 @@
 
 import torch
 
-from modeling_dspark import positions_from_document_ids, verifier_hidden_states
+from modeling_dspark import positions_from_document_ids
 from tiny import VOCAB
-from trainer.states.in_process import InProcessVerifier
+from trainer.states.in_process import InProcessVerifier, verifier_hidden_states
 from trainer.states.memory import MemoryRowCache
 
 

@@ -18,13 +18,13 @@ from modeling_dspark import (
     DSparkDraftModel,
     VerifierStateCapture,
     build_attention_mask,
-    document_segments,
     dspark_mask_mod,
     index_within_runs,
     positions_from_document_ids,
-    verifier_hidden_states,
 )
 from tiny import VOCAB, draft_vocab, tiny_config, tiny_drafter
+from trainer.states.in_process import verifier_hidden_states
+from trainer.states.source import document_segments
 
 LAYER_KEYS = [
     "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling_dspark import positions_from_document_ids, verifier_decoder, verifier_hidden_states
+from modeling_dspark import positions_from_document_ids, verifier_decoder
 from tiny import VOCAB, tiny_drafter
 from trainer.config import ObjectiveConfig
+from trainer.states.in_process import verifier_hidden_states
 from trainer.train.anchors import anchor_candidates, block_supervision, sample_anchors
 from trainer.train.loss import dspark_loss, needs_full_vocabulary
 from trainer.train.stats import reduce_stats

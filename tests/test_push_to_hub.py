@@ -24,7 +24,7 @@ from trainer.evaluation.results import read_results
 from trainer.export import staging
 from trainer.export.contract import check_remote_code_load, check_serving_config, contract_tensors
 from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
-from trainer.export.staging import DELETE_PATTERNS, Staged, stage
+from trainer.export.staging import DELETE_PATTERNS, Staged, folder_files, stage
 from trainer.run import train
 from trainer.train.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, resolve_checkpoint
 
@@ -35,7 +35,8 @@ TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_val
         "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
         "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--logging_steps", "5",
         "--learning_rate", "3e-3", "--max_anchors", "16", "--save_total_limit", "5"]
-BASE_FILES = {"README.md", "config.json", "configuration_dspark.py", "modeling_dspark.py", "model.safetensors"}
+BASE_FILES = {"README.md", "config.json", "configuration_dspark.py", "modeling_dspark.py", "model.safetensors",
+              "custom_generate/generate.py"}
 PLOTS = {PLOT_FILE, CALIBRATION_PLOT_FILE}  # the run calibrates its best checkpoint, so both plots are staged
 
 
@@ -126,7 +127,7 @@ class FakeApi:
     def upload_folder(self, **kwargs):
         self.calls.append(("upload_folder", kwargs))
         folder = Path(kwargs["folder_path"])
-        self.uploaded = {p.name: p.read_bytes() for p in folder.iterdir()}
+        self.uploaded = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
         if self.fail is not None:
             raise self.fail
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/0123abcd", pr_url=None)
@@ -190,7 +191,7 @@ def test_checkpoint_resolution(run_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------ staging
 def test_staged_folder_is_exactly_the_contract(staged, run_dir):
     folder = staged.folder
-    assert set(os.listdir(folder)) == BASE_FILES | PLOTS
+    assert folder_files(folder) == BASE_FILES | PLOTS
     assert staged.checkpoint.path == (run_dir / "checkpoint-best").resolve()
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and "model_type" not in config
@@ -219,6 +220,91 @@ def test_staged_folder_loads_via_remote_code_in_a_fresh_module_cache(staged, tmp
     with pytest.raises(ph.PushError, match=r"does not load with AutoModel.from_pretrained\(\.\.\., "
                                            r"trust_remote_code=True\) in a fresh module cache"):
         check_remote_code_load(broken)
+
+
+_DECODE = r"""
+import json, sys
+for name in ("configuration_dspark", "modeling_dspark", "generation_dspark", "trainer", "tiny"):
+    sys.modules[name] = None  # the package, should it be installed: only the staged folder's code may run
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+folder, verifier_dir, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+drafter = AutoModel.from_pretrained(folder, trust_remote_code=True)
+block, real_draft = drafter.config.block_size, drafter.draft
+
+
+def oracle(reference):
+    # drafts from the known greedy continuation, one slot corrupted per step in turn, so steps accept 0..B drafts
+    steps = []
+
+    def draft(aux, bonus, cache=None, **kw):
+        proposal = real_draft(aux, bonus, cache=cache, **kw)  # keeps the draft cache in step
+        at = cache.length  # the bonus token's index
+        tokens = proposal.token_ids.clone()
+        truth = reference[at + 1: at + 1 + block]
+        tokens[: len(truth)] = torch.tensor(truth)
+        if len(steps) % (block + 1) < block:
+            slot = len(steps) % (block + 1)
+            tokens[slot] = (tokens[slot] + 1) % verifier.config.vocab_size
+        steps.append(at)
+        proposal.token_ids = tokens
+        return proposal
+
+    return draft
+
+
+report = {"drafter_module": type(drafter).__module__, "plain": [], "speculative": [], "oracle": [], "committed": [],
+          "oracle_committed": []}
+for prompt in prompts:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    plain = verifier.generate(ids, do_sample=False, max_new_tokens=24)
+    report["plain"].append(tokenizer.decode(plain[0, ids.shape[1]:]))
+    for key in ("speculative", "oracle"):
+        drafter.draft = oracle(plain[0].tolist()) if key == "oracle" else real_draft
+        out = verifier.generate(ids, custom_generate=folder, trust_remote_code=True, drafter=drafter,
+                                do_sample=False, max_new_tokens=24, return_dict_in_generate=True)
+        report["output_module"] = type(out).__module__
+        report[key].append(tokenizer.decode(out.sequences[0, ids.shape[1]:]))
+        report["committed" if key == "speculative" else "oracle_committed"].append(out.committed_per_step)
+print("RESULT " + json.dumps(report))
+"""
+
+
+def test_staged_folder_decodes_in_process_through_custom_generate(staged, chat_verifier_dir, smollm2_tokenizer,
+                                                                   tmp_path):
+    """A user with only the staged folder (this package's modules blocked, an empty module cache, offline) decodes
+    with `verifier.generate(..., custom_generate=<folder>, trust_remote_code=True, drafter=...)`, and speculative
+    decoding at T=0 gives the verifier's own greedy replies: with the staged drafter (4 training steps: it accepts
+    little) and with an oracle drafter whose steps accept every count 0..B, so the accept, crop and bonus paths of
+    the staged loop all run."""
+    import subprocess
+    import sys
+
+    from conftest import assert_same_greedy_replies
+    from transformers import AutoModelForCausalLM
+
+    prompts = ["Tell me about river stone.", "Why is the sky blue?", "Write a haiku about paper light."]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _DECODE, str(staged.folder), chat_verifier_dir, *prompts], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert report["drafter_module"].startswith("transformers_modules.")
+    assert report["output_module"].startswith("transformers_modules.") and \
+        report["output_module"].endswith(".custom_generate.generate")  # the staged loop ran, not transformers' own
+    block = json.loads((staged.folder / "config.json").read_text())["block_size"]
+    committed = [n for key in ("committed", "oracle_committed") for c in report[key] for n in c]
+    assert all(1 <= n <= block + 1 for n in committed)  # tokens per verification step
+    assert set(n for c in report["oracle_committed"] for n in c) == set(range(1, block + 2))  # 0..B drafts accepted
+    verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    for key in ("speculative", "oracle"):
+        assert_same_greedy_replies(verifier, smollm2_tokenizer, messages, report[key], report["plain"])
 
 
 @pytest.mark.parametrize("spec", ["output_dir", "checkpoint-best", "checkpoint-2", "final"])
@@ -329,7 +415,7 @@ def test_card_metadata_tables_and_plot_come_from_the_results(staged, results_fil
     assert f"![Per-position acceptance by subset]({PLOT_FILE})" in text
     assert "Mean acceptance length is 2.15 tokens committed per verification step over 600 steps" in text
     assert "throughput speedup over the verifier alone of 2.00× on math_reasoning and 1.25× on qa." in text
-    assert f"vllm serve {REPO}" in text and 'revision=REVISION' in text and "speculative_generate" in text
+    assert f"vllm serve {REPO}" in text and 'revision=REVISION' in text and f'custom_generate="{REPO}"' in text
     assert "- Hidden size 64 (the verifier's), MLP size 128" in text  # from config.json
     assert "Loss: {\"ce\": 0.1, \"tv\": 0.9}" in text and "conversations capped at 128 tokens" in text  # run config
     png = (staged.folder / PLOT_FILE).read_bytes()
@@ -508,7 +594,7 @@ def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_file
                      api=NoNetwork())
         out, err = capsys.readouterr()
         assert rc == 0, err
-    assert set(os.listdir(out_dir)) == BASE_FILES | PLOTS
+    assert folder_files(out_dir) == BASE_FILES | PLOTS
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no OUT_DIR.tmp-* or .old-* left behind
     assert len(loads) == 2 and loads[0].name.startswith("export.tmp-")  # validated before the atomic rename
     assert "model.safetensors" in out and f"commit to {REPO} (revision main):" in out

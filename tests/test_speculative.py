@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from modeling_dspark import DRAFT_METHODS, DSparkProposal, sampling_defaults, speculative_accept, verifier_hidden_states
+from generation_dspark import sampling_defaults, speculative_accept, speculative_generate
+from modeling_dspark import DRAFT_METHODS, DSparkProposal
 from tiny import VOCAB, tiny_drafter, tiny_gemma4_verifier, tiny_qwen3_verifier
+from trainer.states.in_process import verifier_hidden_states
 
 
 def processed(logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None):
@@ -70,7 +72,7 @@ def test_greedy_output_is_token_identical_to_generate(make, oracle, monkeypatch)
         ref = verifier.generate(ids, do_sample=False, max_new_tokens=30, min_new_tokens=30, pad_token_id=0)
         if oracle:
             monkeypatch.setattr(drafter, "draft", Oracle(drafter, ref[0].tolist(), ids.shape[1], seed))
-        out = drafter.speculative_generate(verifier, ids, max_new_tokens=30, temperature=0, eos_token_id=[])
+        out = speculative_generate(drafter, verifier, ids, max_new_tokens=30, temperature=0, eos_token_id=[])
         assert torch.equal(out.sequences, ref), seed
         committed += out.committed_per_step
     assert all(1 <= c <= drafter.block_size + 1 for c in committed)
@@ -95,7 +97,7 @@ def test_every_draft_method_is_greedy_at_temperature_0(qwen3_verifier):
         ids = torch.randint(3, VOCAB, (1, 5 + 4 * seed), generator=torch.Generator().manual_seed(seed))
         ref = qwen3_verifier.generate(ids, do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
         for method in DRAFT_METHODS:
-            out = drafter.speculative_generate(qwen3_verifier, ids, max_new_tokens=16, temperature=0, eos_token_id=[],
+            out = speculative_generate(drafter, qwen3_verifier, ids, max_new_tokens=16, temperature=0, eos_token_id=[],
                                                draft_method=method)
             assert torch.equal(out.sequences, ref), (seed, method)
 
@@ -128,7 +130,7 @@ def test_draft_methods_draw_from_the_distribution_vllm_uses(qwen3_verifier):
                                          r"'filtered'; pass one of them"):
         drafter.draft(aux[0, :10], ids[0, 10], temperature=T, draft_method="sampled")
     with pytest.raises(ValueError, match="draft_method 'Greedy' is not one of"):
-        drafter.speculative_generate(qwen3_verifier, ids, max_new_tokens=4, temperature=0, draft_method="Greedy")
+        speculative_generate(drafter, qwen3_verifier, ids, max_new_tokens=4, temperature=0, draft_method="Greedy")
 
 
 def test_generation_stops_at_eos_and_max_new_tokens(gemma4_verifier):
@@ -136,10 +138,10 @@ def test_generation_stops_at_eos_and_max_new_tokens(gemma4_verifier):
     ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     ref = gemma4_verifier.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     eos = int(ref[0, 6 + 4])  # pretend the 5th generated token is the end of sequence
-    out = drafter.speculative_generate(gemma4_verifier, ids, max_new_tokens=12, temperature=0, eos_token_id=eos)
+    out = speculative_generate(drafter, gemma4_verifier, ids, max_new_tokens=12, temperature=0, eos_token_id=eos)
     first = ref[0, 6:].tolist().index(eos)
     assert out.sequences[0, 6:].tolist() == ref[0, 6: 6 + first + 1].tolist()
-    out = drafter.speculative_generate(gemma4_verifier, ids, max_new_tokens=7, temperature=0, eos_token_id=[])
+    out = speculative_generate(drafter, gemma4_verifier, ids, max_new_tokens=7, temperature=0, eos_token_id=[])
     assert out.sequences.shape[1] == 6 + 7
 
 
@@ -262,7 +264,7 @@ def test_sampled_output_follows_the_verifier_distribution(draft_method):
         counts = dict.fromkeys(exact, 0)
         committed = []
         for _ in range(n):
-            out = drafter.speculative_generate(verifier, prompt, max_new_tokens=3, temperature=T, top_k=top_k,
+            out = speculative_generate(drafter, verifier, prompt, max_new_tokens=3, temperature=T, top_k=top_k,
                                                top_p=top_p, eos_token_id=[], generator=g, draft_method=draft_method)
             outcome = tuple(out.sequences[0, 4:7].tolist())
             assert outcome in exact, outcome  # zero probability under the verifier
@@ -296,8 +298,49 @@ def test_greedy_identity_on_a_real_small_model(smollm2_dir, smollm2_tokenizer, m
         ref = verifier.generate(ids, do_sample=False, max_new_tokens=24, temperature=None, top_p=None, top_k=None)
         if i % 2:
             monkeypatch.setattr(drafter, "draft", Oracle(drafter, ref[0].tolist(), ids.shape[1], i))
-        out = drafter.speculative_generate(verifier, ids, max_new_tokens=24, temperature=0)
+        out = speculative_generate(drafter, verifier, ids, max_new_tokens=24, temperature=0)
         monkeypatch.undo()
         assert torch.equal(out.sequences, ref), prompt
         committed += out.committed_per_step
     assert max(committed) == drafter.block_size + 1
+
+
+# ------------------------------------------------------------------ transformers' custom_generate entry
+def test_custom_generate_entry_is_the_loop_with_generate_settings(qwen3_verifier):
+    """`generation_dspark.generate` (what `verifier.generate(..., custom_generate=<repo>)` calls) reads the settings
+    as `generate` does and runs the loop: greedy output equals plain greedy `generate`; with sampling settings it
+    draws exactly what `speculative_generate` draws with the same seed; `return_dict_in_generate` adds the steps."""
+    from generation_dspark import generate
+
+    drafter = tiny_drafter(qwen3_verifier)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = qwen3_verifier.generate(ids, do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+    got = generate(qwen3_verifier, ids, drafter=drafter, do_sample=False, max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(got, ref)
+    out = generate(qwen3_verifier, input_ids=ids, attention_mask=torch.ones_like(ids), drafter=drafter, do_sample=True,
+                   temperature=0.7, top_k=5, max_new_tokens=12, eos_token_id=[], return_dict_in_generate=True,
+                   generator=torch.Generator().manual_seed(0), draft_method="probabilistic", revision="abc")
+    direct = speculative_generate(drafter, qwen3_verifier, ids, max_new_tokens=12, temperature=0.7, top_k=5, top_p=1.0,
+                                  eos_token_id=[], generator=torch.Generator().manual_seed(0),
+                                  draft_method="probabilistic")
+    assert torch.equal(out.sequences, direct.sequences) and out.committed_per_step == direct.committed_per_step
+    assert sum(out.committed_per_step) >= 11  # every token after the prefill's is committed by a step
+
+
+def test_custom_generate_entry_refuses_what_it_cannot_honour(qwen3_verifier):
+    from generation_dspark import generate
+
+    drafter = tiny_drafter(qwen3_verifier)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"needs the drafter; pass drafter=AutoModel.from_pretrained\("):
+        generate(qwen3_verifier, ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"does not support num_beams, repetition_penalty; pass only max_new_tokens"):
+        generate(qwen3_verifier, ids, drafter=drafter, num_beams=2, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="does not support streamer"):
+        generate(qwen3_verifier, ids, drafter=drafter, streamer=object())
+    with pytest.raises(ValueError, match="one unpadded sequence"):
+        generate(qwen3_verifier, ids, drafter=drafter, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        generate(qwen3_verifier, ids.repeat(2, 1), drafter=drafter, max_new_tokens=4)
+    with pytest.raises(TypeError, match="is not a DSpark drafter"):
+        speculative_generate(torch.nn.Linear(2, 2), qwen3_verifier, ids)

@@ -31,7 +31,7 @@ Two backends generate the replies:
           --verifier google/gemma-4-E4B-it --prompts data/prompts.jsonl --out out/conversations.jsonl --concurrency 64
 
 Sampling is the verifier's own unless `--temperature/--top-p/--top-k` override it (`--temperature 0` is greedy).
-In process that is its `generation_config` (`modeling_dspark.sampling_defaults`). Through vLLM only the values
+In process that is its `generation_config` (`generation_dspark.sampling_defaults`). Through vLLM only the values
 the user gave are sent: vLLM (0.32, `--generation-config auto`, its default) takes temperature, top_p and
 top_k from the same `generation_config.json` for every request that leaves them out, but it ignores
 `do_sample`, so a verifier whose config does not sample (greedy under transformers, SmolLM2) would be sampled

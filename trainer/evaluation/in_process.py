@@ -2,7 +2,7 @@
 
 Prompt sets use the `RedHatAI/speculator_benchmarks` layout (one `<subset>.jsonl` per subset with a `prompt`
 column), from a local directory or a Hub dataset id. For every prompt the verifier generates with the
-drafter (lossless speculative decoding, `DSparkDraftModel.speculative_generate`) and each verification step
+drafter (lossless speculative decoding, `generation_dspark.speculative_generate`) and each verification step
 records how many tokens it committed. Per subset this gives
 
 * `acceptance_length`: mean tokens committed per verification step, bonus included (1.0 .. B+1);
@@ -126,7 +126,7 @@ def teacher_forced_acceptance(drafter, verifier, sequences: torch.Tensor, prompt
     determines the value (a mismatch inside the sequence, or the whole block inside it); the last step,
     cut by `max_new_tokens` or the end of sequence, may not be.
     """
-    from modeling_dspark import verifier_hidden_states
+    from trainer.states.in_process import verifier_hidden_states
 
     anchors = step_anchors(prompt_length, committed_per_step) if anchors is None else list(anchors)
     measured = list(committed_per_step)
@@ -194,6 +194,8 @@ def evaluate_in_process(
     (`FidelityWarning`). The check runs after the timed generation, so it never enters tokens/s."""
     from tqdm.auto import tqdm
 
+    from generation_dspark import speculative_generate
+
     if draft_method not in DRAFT_METHODS:
         raise UsageError(f"draft method {draft_method!r} is not one of {', '.join(DRAFT_METHODS)}; pass one of them "
                          f"(greedy is what vLLM serves by default).")
@@ -211,9 +213,9 @@ def evaluate_in_process(
                                                 tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]
             ids = ids.to(device)
             start = time.perf_counter()
-            out = drafter.speculative_generate(verifier, ids, max_new_tokens=max_new_tokens,
-                                               temperature=settings["temperature"], top_k=settings.get("top_k"),
-                                               top_p=settings.get("top_p"), generator=g, draft_method=draft_method)
+            out = speculative_generate(drafter, verifier, ids, max_new_tokens=max_new_tokens,
+                                       temperature=settings["temperature"], top_k=settings.get("top_k"),
+                                       top_p=settings.get("top_p"), generator=g, draft_method=draft_method)
             elapsed = time.perf_counter() - start
             stats[name].add(out.committed_per_step, out.sequences.shape[1] - ids.shape[1], elapsed)
             if check:

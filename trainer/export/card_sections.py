@@ -538,8 +538,9 @@ print(reply.choices[0].message.content)
 
 ### transformers
 
-`trust_remote_code=True` runs this repo's `configuration_dspark.py` and `modeling_dspark.py`, so pin the commit you
-reviewed (its hash from the "Files and versions" tab) rather than a moving branch:
+`trust_remote_code=True` runs this repo's `configuration_dspark.py` and `modeling_dspark.py` (the drafter) and
+`custom_generate/generate.py` (the decoding loop), so pin the commit you reviewed (its hash from the "Files and
+versions" tab) rather than a moving branch:
 
 ```python
 import torch
@@ -557,20 +558,28 @@ The drafter alone is not a language model: using it before `load_verifier()` / `
 
 ### In-process speculative generation
 
+The speculative decoding loop ships in this repo as `custom_generate/generate.py`, transformers' convention for a
+decoding loop that lives with a model: the verifier's own `generate` runs it when given this repo, with nothing
+installed beyond `torch` and `transformers`:
+
 ```python
 messages = [{{"role": "user", "content": "Explain speculative decoding in one paragraph."}}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                           return_dict=True)["input_ids"].to(device)
-out = drafter.speculative_generate(verifier, input_ids, max_new_tokens=256)  # the verifier's sampling defaults
+out = verifier.generate(input_ids, custom_generate="{repo}", trust_remote_code=True, revision=REVISION,
+                        drafter=drafter, max_new_tokens=256,  # sampling: the verifier's generation config
+                        return_dict_in_generate=True)
 print(tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True))
 print("acceptance length", sum(out.committed_per_step) / len(out.committed_per_step))
 ```
 
-`speculative_generate` returns exactly the verifier's output (token-identical to greedy `generate` at temperature 0,
-identically distributed when sampling) and the tokens committed per verification step. It drafts as `vllm serve`
-does by default, greedily (`draft_method="greedy"`); `draft_method="probabilistic"` samples the drafts at the
-temperature only, as vLLM's `draft_sample_method: probabilistic`. Either changes how many drafts are accepted, never
-the output's distribution."""
+The output is exactly the verifier's (token-identical to its plain `generate` when it decodes greedily, identically
+distributed when it samples), and `committed_per_step` holds the tokens committed per verification step; without
+`return_dict_in_generate` it returns the sequences alone. The settings are `generate`'s (`max_new_tokens`,
+`do_sample`, `temperature`, `top_k`, `top_p`, `eos_token_id`, defaulting to the verifier's generation config), for
+one sequence at a time. It drafts as `vllm serve` does by default, greedily (`draft_method="greedy"`);
+`draft_method="probabilistic"` samples the drafts at the temperature only, as vLLM's `draft_sample_method:
+probabilistic`. Either changes how many drafts are accepted, never the output's distribution."""
 
 
 def limitations_section(inputs: CardInputs) -> str:

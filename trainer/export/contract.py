@@ -3,7 +3,7 @@ checks that prove a folder serves.
 
 A servable folder (every trainer checkpoint, the run's final model, an exported Hub repo) holds
 `config.json` (the speculators format vLLM reads, plus `auto_map` for transformers' remote code), the two
-remote-code files, and `model.safetensors` with exactly these tensors:
+remote-code files (`REMOTE_CODE_FILES`), and `model.safetensors` with exactly these tensors:
 
     fc.weight [H, k*H], hidden_norm.weight [H], norm.weight [H]
     layers.i.{input_layernorm, post_attention_layernorm}.weight [H]
@@ -18,9 +18,15 @@ head) are shared at load time, never stored. Exported repos are bfloat16 (`d2t`/
 and bool dtypes); training checkpoints may be float32, so `check_folder` compares names and shapes only
 unless asked for the dtype too.
 
+An exported repo also carries the speculative decoding loop as `custom_generate/generate.py` (a copy of this
+package's `generation_dspark.py`), transformers' convention for a decoding loop shipped with a model repo:
+`verifier.generate(ids, custom_generate=<repo>, trust_remote_code=True, drafter=drafter)` runs it in-process with
+no package installed. `EXPORT_CODE_FILES` is the code an export ships.
+
 The serving checks restate what vLLM 0.33 checks (or silently gets wrong) when it reads a speculators
 config, so a folder that would not serve is refused before it is pushed; vLLM itself is not imported.
-`check_remote_code_load` loads a folder the way a user of the pushed repo does, in a fresh process.
+`check_remote_code_load` loads a folder the way a user of the pushed repo does, in a fresh process: the drafter
+through `AutoModel`, and the decoding loop through transformers' `custom_generate` loader.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from pathlib import Path
 from configuration_dspark import check_aux_layer_ids, is_hub_id
 from trainer.errors import DSparkError, UsageError
 
-REMOTE_CODE_FILES = ("configuration_dspark.py", "modeling_dspark.py")
+REMOTE_CODE_FILES = ("configuration_dspark.py", "modeling_dspark.py")  # auto_map's code: in every checkpoint
+CUSTOM_GENERATE_FILE = "custom_generate/generate.py"  # the decoding loop, where transformers looks for it
+CUSTOM_GENERATE_SOURCE = "generation_dspark"  # the package's module that an export copies there
+EXPORT_CODE_FILES = (*REMOTE_CODE_FILES, CUSTOM_GENERATE_FILE)
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
@@ -298,9 +307,11 @@ def check_serving_config(config: dict, tensors: dict | None = None) -> None:
 # ================================================================================================
 _REMOTE_LOAD = r"""
 import json, sys
+for name in ("configuration_dspark", "modeling_dspark", "generation_dspark", "trainer"):
+    sys.modules[name] = None  # this package, should it be installed here: only the folder's own code may load
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModel
+from transformers import AutoModel, GenerationMixin
 
 folder, files = sys.argv[1], sys.argv[2:]
 model, info = AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
@@ -309,16 +320,20 @@ saved = {}
 for name in files:
     saved.update(load_file(f"{folder}/{name}"))
 mismatched = [k for k, v in saved.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
+# what verifier.generate(..., custom_generate=folder, trust_remote_code=True) loads (it does not use the model)
+generate = GenerationMixin.load_custom_generate(None, folder, trust_remote_code=True)
 print("RESULT " + json.dumps({"module": type(model).__module__, "class": type(model).__name__,
                               "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-                              "mismatched": mismatched, "compared": len(saved)}))
+                              "mismatched": mismatched, "compared": len(saved),
+                              "generate_module": generate.__module__, "generate": generate.__name__}))
 """
 
 
 def check_remote_code_load(folder: Path, timeout: float = 600) -> dict:
     """Load the staged folder the way a user of the pushed repo does, in a separate Python process with an
-    empty `HF_MODULES_CACHE` and offline mode: only the folder's own `.py` files can define the classes, so a
-    missing or broken remote-code file fails here rather than on the user's machine. Returns the report."""
+    empty `HF_MODULES_CACHE`, offline, and this package's modules blocked: only the folder's own `.py` files can
+    define the classes and the `custom_generate` loop, so a missing or broken remote-code file fails here rather
+    than on the user's machine. Returns the report."""
     folder = Path(folder).resolve()
     with tempfile.TemporaryDirectory(prefix="dspark-modules-") as modules:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -334,8 +349,8 @@ def check_remote_code_load(folder: Path, timeout: float = 600) -> dict:
     if proc.returncode != 0 or not lines:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise ServingError(f"the staged folder does not load with AutoModel.from_pretrained(..., trust_remote_code=True) "
-                        f"in a fresh module cache ({reason}); fix configuration_dspark.py/modeling_dspark.py and "
-                        f"re-export.")
+                        f"in a fresh module cache, or its {CUSTOM_GENERATE_FILE} does not ({reason}); fix "
+                        f"{', '.join(REMOTE_CODE_FILES)} or {CUSTOM_GENERATE_SOURCE}.py and re-export.")
     report = json.loads(lines[-1][len("RESULT "):])
     report["modules_cache"] = modules
     config = read_json(folder / "config.json")
@@ -348,8 +363,11 @@ def check_remote_code_load(folder: Path, timeout: float = 600) -> dict:
         problems.append(f"missing {report['missing']}, unexpected {report['unexpected']}")
     if report["mismatched"]:
         problems.append(f"loaded tensors {report['mismatched']} differ from the files")
+    if not report["generate_module"].startswith("transformers_modules") or report["generate"] != "generate":
+        problems.append(f"custom_generate loaded {report['generate_module']}.{report['generate']}, not the repo's "
+                        f"{CUSTOM_GENERATE_FILE}")
     if problems:
-        raise ServingError(f"the staged folder loads wrongly through AutoModel remote code ({'; '.join(problems)}); fix "
-                        f"configuration_dspark.py/modeling_dspark.py and re-export.")
+        raise ServingError(f"the staged folder loads wrongly through remote code ({'; '.join(problems)}); fix "
+                        f"{', '.join(REMOTE_CODE_FILES)} or {CUSTOM_GENERATE_SOURCE}.py and re-export.")
     return report
 

@@ -1,14 +1,27 @@
 """`InProcessVerifier`, the default hidden-state source: a frozen Hugging Face verifier inside the training
 process, one no-grad decoder forward per group of documents (each document on its own, so a packed row never
-leaks context across documents), with the full-vocabulary output head skipped.
+leaks context across documents), with the full-vocabulary output head skipped; and `verifier_hidden_states`, one
+such decoder forward over a batch of ids (the evaluator's fidelity check, tests, benchmarks).
 """
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from modeling_dspark import VerifierStateCapture, document_segments, verifier_decoder
-from trainer.states.source import DocumentStateSource, VerifierStates
+from modeling_dspark import VerifierStateCapture, verifier_decoder
+from trainer.states.source import DocumentStateSource, VerifierStates, document_segments
 from trainer.verifier.teacher import Teacher, verifier_teacher
+
+
+@torch.no_grad()
+def verifier_hidden_states(
+    verifier: nn.Module, aux_layer_ids: Sequence[int], input_ids: torch.Tensor, **forward_kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the verifier's decoder once (no output head) and return `(aux_hidden_states, last_hidden_state)`."""
+    with VerifierStateCapture(verifier, aux_layer_ids) as capture:
+        verifier_decoder(verifier)(input_ids=input_ids, use_cache=False, **forward_kwargs)
+    return capture.aux_hidden_states, capture.last_hidden_state
 
 
 class InProcessVerifier(DocumentStateSource):

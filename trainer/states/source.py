@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling_dspark import document_segments
+from modeling_dspark import index_within_runs
 from trainer.verifier.teacher import Teacher
 
 
@@ -51,6 +51,23 @@ class HiddenStateSource(ABC):
     def teacher(self) -> Teacher:
         """The verifier's final norm, softcap and full output head (shared), applied by the loss to
         `last_hidden_state`; a source without the head supports only full-vocabulary drafters."""
+
+
+def document_segments(document_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """`(row, start, end)` of every document (run of equal ids `>= 0`) of packed rows `[R, T]`, `end` exclusive.
+
+    Row-major, left to right; padding runs (id `-1`) are skipped. Used to run each document through the
+    verifier on its own, so no state leaks across the documents of a packed row.
+    """
+    rows, length = document_ids.shape
+    if rows == 0 or length == 0:
+        return []
+    row, start = (index_within_runs(document_ids) == 0).nonzero(as_tuple=True)  # run starts, row-major
+    same_row_next = torch.zeros_like(row, dtype=torch.bool)
+    same_row_next[:-1] = row[1:] == row[:-1]
+    end = torch.where(same_row_next, start.roll(-1), torch.full_like(start, length))
+    keep = document_ids[row, start] >= 0
+    return list(zip(row[keep].tolist(), start[keep].tolist(), end[keep].tolist()))
 
 
 def document_key(input_ids: torch.Tensor) -> str:

@@ -2,7 +2,7 @@
 sampling settings into `generate()` arguments.
 
 Sampling settings themselves (what the verifier's `generation_config` implies when the user gives nothing)
-come from `modeling_dspark.sampling_defaults`, which speculative generation uses too, so a baseline
+come from `generation_dspark.sampling_defaults`, which speculative generation uses too, so a baseline
 `generate()`, a regeneration run and a speculative run all sample the same way.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from modeling_dspark import sampling_defaults
+from generation_dspark import sampling_defaults
 
 
 def torch_dtype(dtype: str, device: torch.device) -> torch.dtype:
