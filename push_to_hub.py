@@ -6,7 +6,7 @@
 
 The export runs in three steps, and any failure stops it before anything reaches the Hub:
 
-1. **Stage** a folder that is exactly the serving contract (the tensor list in `trainer/export/contract.py`): bf16
+1. **Stage** a folder that is exactly the serving contract (the tensor list in `trainer/contract.py`): bf16
    `model.safetensors` with only the contract's tensors and nothing of the verifier, `config.json` naming
    the verifier by Hub id (vLLM 0.33 refuses local paths there), the two remote-code files, the decoding loop
    as `custom_generate/generate.py` (for `verifier.generate(..., custom_generate=<repo>)`), `README.md` (the
@@ -50,9 +50,9 @@ from huggingface_hub import get_token
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
+from trainer.contract import read_json
 from trainer.errors import DSparkError, Parser, UsageError, run_cli
 from trainer.evaluation.results import SCHEMA as RESULTS_SCHEMA
-from trainer.export.contract import read_json
 from trainer.export.staging import DELETE_PATTERNS, Staged, StagingError, is_export_file, stage
 from trainer.files import replace_durably
 from trainer.train.checkpoints import BEST_LINK, Checkpoint, resolve_checkpoint

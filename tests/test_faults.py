@@ -141,7 +141,7 @@ def fault_env(tmp_path: Path, spec: str) -> dict:
 def assert_loadable_checkpoint(path: Path) -> None:
     """A checkpoint that a user could resume, export or serve: the marker, a readable config and weights."""
     from modeling_dspark import DSparkDraftModel
-    from trainer.export.contract import check_folder
+    from trainer.contract import check_folder
 
     assert is_complete(str(path)), path
     check_folder(path)
@@ -421,7 +421,7 @@ def push_args(checkpoint: Path, out: Path) -> list[str]:
 
 def assert_exported(out: Path) -> None:
     from modeling_dspark import DSparkDraftModel
-    from trainer.export.contract import check_folder
+    from trainer.contract import check_folder
 
     check_folder(out)
     DSparkDraftModel.from_pretrained(str(out))

@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 import push_to_hub as ph
 from trainer.config import RunConfig
+from trainer.contract import check_remote_code_load, check_serving_config, contract_tensors
 from trainer.evaluation.results import read_results
 from trainer.export import staging
-from trainer.export.contract import check_remote_code_load, check_serving_config, contract_tensors
 from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE
 from trainer.export.staging import DELETE_PATTERNS, Staged, folder_files, stage
 from trainer.run import train
@@ -611,7 +611,8 @@ def test_dry_run_writes_the_folder_and_never_calls_the_hub(run_dir, results_file
 def test_card_names_the_serving_options_the_drafter_was_trained_for(tmp_path):
     """Block size, the drafting mode of the confidence target, adaptive verification (calibrated or not) and, for
     Gemma 4 verifiers, the fast-prefill caveat all come from the checkpoint's own records."""
-    from trainer.export.card_sections import _CALIBRATION_KEYS, serving_options
+    from trainer.export.card_sections import _CALIBRATION_KEYS
+    from trainer.export.card_usage import serving_options
     from trainer.train.checkpoints import CALIBRATION_FILE
 
     config = {"block_size": 8, "enable_confidence_head": True, "verifier_text_config": {"model_type": "gemma4_text"}}

@@ -22,6 +22,7 @@ LAYERS = {
     "trainer.errors": (0, "error types and the one Parser: every layer raises them"),
     "trainer.files": (0, "file helpers (atomic writes, JSONL reading): used by every layer that writes or reads"),
     "trainer.config": (1, "the run config: every layer reads it, so it knows none of them"),
+    "trainer.contract": (1, "the checkpoint contract: what a servable folder holds; training writes it, export checks it"),
     "trainer.serving": (2, "the vLLM transport: talks to a server, knows nothing of data, states or training"),
     "trainer.verifier": (2, "loading the verifier and its teacher: below everything that runs it"),
     "trainer.data": (3, "chat rows -> packed rows: needs the verifier's tokenizer, not its states"),

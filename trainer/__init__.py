@@ -9,7 +9,8 @@ The tree follows the data flow, each subpackage one concern with its map in its 
     train/       anchors, loss, optimizer, the Trainer, calibration, checkpoints
     evaluation/  acceptance measured by speculating (in process, vLLM) and the results format
     export/      the servable folder, its model card and plots
-    config.py    the run config (model, data, train sections); errors.py the one error path of every command
+    config.py    the run config (model, data, train sections); contract.py what a servable checkpoint holds
+    errors.py    the one error path of every command; files.py atomic writes, JSONL, the local-or-Hub rule
     run.py       the training entry (`accelerate launch trainer/run.py`); __main__.py every other command
 """
 

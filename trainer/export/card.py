@@ -25,8 +25,8 @@ from trainer.export.card_sections import (
     provenance_section,
     summary_section,
     training_section,
-    usage_section,
 )
+from trainer.export.card_usage import usage_section
 
 TEMPLATE_FILE = Path(__file__).with_name("card.md")
 

@@ -1,6 +1,6 @@
 """Staging: the folder an export uploads, written from one checkpoint and validated before anything leaves.
 
-`stage` writes exactly the serving contract (`trainer/export/contract.py`): bf16 `model.safetensors` with only the
+`stage` writes exactly the serving contract (`trainer/contract.py`): bf16 `model.safetensors` with only the
 contract's tensors, `config.json` naming the verifier by Hub id (vLLM refuses local paths there), the two
 remote-code files, the decoding loop as `custom_generate/generate.py` (a copy of `generation_dspark.py`), the model card `README.md` (`trainer/export/card.py`), with results the per-position
 acceptance plot and, when the checkpoint records a confidence calibration, its reliability plot
@@ -24,11 +24,7 @@ from pathlib import Path
 import yaml
 
 from trainer.config import RUN_CONFIG_FILE
-from trainer.errors import DSparkError
-from trainer.evaluation.results import AcceptanceResults, read_results, weights_sha256
-from trainer.export.card import render_card
-from trainer.export.card_sections import CardInputs, read_calibration
-from trainer.export.contract import (
+from trainer.contract import (
     CUSTOM_GENERATE_FILE,
     CUSTOM_GENERATE_SOURCE,
     EXPORT_CODE_FILES,
@@ -40,6 +36,10 @@ from trainer.export.contract import (
     resolve_verifier_id,
     weight_files,
 )
+from trainer.errors import DSparkError
+from trainer.evaluation.results import AcceptanceResults, read_results, weights_sha256
+from trainer.export.card import render_card
+from trainer.export.card_sections import CardInputs, read_calibration
 from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE, plot_acceptance, plot_reliability
 from trainer.train.checkpoints import TRAINER_STATE_FILE, Checkpoint, CheckpointError, read_summary
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.contract import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, read_json
 from trainer.errors import DSparkError, is_disk_full
-from trainer.export.contract import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, read_json
 from trainer.files import atomic_path, write_json_atomic
 from trainer.train.checkpoints import CALIBRATION_FILE
 

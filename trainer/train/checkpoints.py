@@ -2,7 +2,7 @@
 `latest`, `best`, `final` and `OUTPUT_DIR:<step>` mean, and whether a checkpoint can be resumed.
 
     <output_dir>/
-      checkpoint-N/                 a servable drafter (see trainer/export/contract.py) plus the Trainer's state
+      checkpoint-N/                 a servable drafter (see trainer/contract.py) plus the Trainer's state
         dspark_checkpoint.json      completion marker, written last and atomically: without it the save
                                     was interrupted, and the directory is moved aside as incomplete-checkpoint-N
         dspark_run_config.yaml      the run configuration (reproduce the run, describe it in a model card)
@@ -37,8 +37,7 @@ from pathlib import Path
 
 from configuration_dspark import RUNTIME_ONLY_KEYS
 from trainer.config import RUN_CONFIG_FILE
-from trainer.errors import UsageError
-from trainer.export.contract import (
+from trainer.contract import (
     REMOTE_CODE_FILES,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -46,6 +45,7 @@ from trainer.export.contract import (
     check_folder,
     read_json,
 )
+from trainer.errors import UsageError
 from trainer.files import replace_durably, temp_path, write_json_atomic
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: the Trainer names and rotates these

@@ -13,7 +13,7 @@ calibration), reduced as sums across batches and processes; the best checkpoint 
 `eval_accept_len`. `confidence_samples` collects the confidence logits and targets of the validation split for
 the post-training calibration (trainer/train/calibration.py); a checkpoint whose head carries a folded calibration
 is unfolded when the Trainer loads it (resume, best model at the end), so training always continues from the
-trained weights. Every checkpoint directory is a servable drafter (trainer/export/contract.py) plus the Trainer's
+trained weights. Every checkpoint directory is a servable drafter (trainer/contract.py) plus the Trainer's
 state, the run config and the data statistics; a completion marker, written last, says it is complete (the
 layout and its file names: trainer/train/checkpoints.py). The verifier is never saved.
 """
