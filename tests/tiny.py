@@ -101,3 +101,10 @@ def tiny_drafter(verifier, seed: int = 0, draft_vocab_size: int | None = 100, **
     drafter.set_draft_vocab(draft_vocab(config))
     drafter.attach_verifier(verifier)
     return drafter.eval()
+
+
+# The flags of a tiny real run (test_train.py, test_states_cache.py): a 1-layer drafter on a tiny random verifier.
+TINY_RUN = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
+            "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
+            "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--logging_steps", "5",
+            "--learning_rate", "3e-3", "--max_anchors", "16", "--save_total_limit", "5"]

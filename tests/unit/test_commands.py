@@ -11,7 +11,7 @@ from trainer.__main__ import COMMANDS, main
 from trainer.config import RunConfig
 from trainer.errors import Parser, UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_command_table_lists_every_command_with_a_main(capsys):

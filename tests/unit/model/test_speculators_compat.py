@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import speculators_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 pytestmark = [pytest.mark.speculators, pytest.mark.slow]
 

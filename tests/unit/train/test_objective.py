@@ -406,7 +406,7 @@ print(int(stats[0]), (peak - base) / 1024)
 def test_loss_memory_is_bounded_at_gemma_vocabulary(vocab):
     """1024 supervised slots: one fp32 [slots, 262144] tensor alone is 1 GiB and an unchunked loss needs several;
     the chunked loss and its backward must stay far below that."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, root, vocab], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

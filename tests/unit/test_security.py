@@ -23,7 +23,7 @@ from trainer.serving.http import VLLMServerError, checked_url, request_json
 from trainer.states.vllm import VLLMStatesError, VLLMStateSource
 from trainer.verifier.teacher import Teacher
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hf_SECRETtoken0123456789abcdef"
 SERVED = "tiny/verifier"
 IDS = torch.arange(6, dtype=torch.long) + 7

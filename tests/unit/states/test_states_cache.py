@@ -285,8 +285,7 @@ def test_training_from_the_cache_matches_training_with_the_verifier_in_process(c
                                                                               tmp_path):
     """The same run twice: states from the in-process verifier, then from the cache the command wrote (the
     trainer then loads only the verifier's embedding, norm and head). Same losses and metrics."""
-    from test_train import TINY
-
+    from tiny import TINY_RUN as TINY
     from trainer.config import RunConfig
     from trainer.run import train
 

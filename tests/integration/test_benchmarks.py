@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOT_BENCHMARKS = {"common", "run", "speculators_step"}  # the protocol, the driver, train_step's other side
 PROVENANCE = ("schema", "benchmark", "date", "command", "quick", "machine", "versions", "git")
 

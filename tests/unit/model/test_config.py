@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from configuration_dspark import DSparkConfig, default_aux_layer_ids
 from tiny import tiny_config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))), "scripts"))
 from seed_checkpoint import SEED_DRAFTER, gemma4_e4b_config  # noqa: E402
 
 # The seed recipe's config.json (docs/checkpoint-format.md), verbatim except the two values that depend on the

@@ -9,7 +9,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROOT_MODULES = ("push_to_hub", "configuration_dspark", "modeling_dspark")
 REMOTE_CODE = ("configuration_dspark", "modeling_dspark")
 MAX_LINES = 600

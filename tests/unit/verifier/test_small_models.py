@@ -14,7 +14,7 @@ from trainer.verifier import small_models
 from trainer.verifier.small_models import MARKER_FILE, REGISTRY, SmallModel, converted_path, resolve_model
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 

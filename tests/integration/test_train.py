@@ -13,15 +13,13 @@ from conftest import assert_ranks_trained_in_sync
 from safetensors.torch import load_file
 from transformers import AutoModel
 
+from tiny import TINY_RUN
 from trainer.config import RunConfig
 from trainer.run import train
 from trainer.train.checkpoints import CALIBRATION_FILE, COMPLETE_MARKER, SUMMARY_FILE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
-        "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
-        "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--logging_steps", "5",
-        "--learning_rate", "3e-3", "--max_anchors", "16", "--save_total_limit", "5"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = TINY_RUN
 
 
 def config(verifier, data, out, *extra) -> RunConfig:

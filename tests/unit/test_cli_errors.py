@@ -12,7 +12,7 @@ import pytest
 
 from trainer.errors import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
         "--intermediate_size", "128", "--block_size", "4", "--draft_vocab_size", "500", "--markov_rank", "16",
         "--max_seq_length", "128", "--total_seq_length", "256", "--max_steps", "2"]

@@ -104,7 +104,7 @@ def test_prompt_sets_in_the_benchmark_layout(tmp_path):
 def test_bundled_heldout_set_has_the_nine_subsets():
     import os
 
-    sets = load_prompt_sets(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "demo", "heldout"))
+    sets = load_prompt_sets(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))), "data", "demo", "heldout"))
     assert len(sets) == 9 and all(len(v) == 10 for v in sets.values())
 
 
