@@ -31,7 +31,7 @@ $(STAMP): setup.cfg constraints.txt
 	touch $@
 
 # speculators 0.9.0 pins transformers<=5.19.0 and pulls torchvision; it lives in its own venv and is used
-# only by the cross-check test (tests/test_speculators_compat.py), which skips when this venv is absent.
+# only by the cross-check test (tests/unit/model/test_speculators_compat.py), which skips when this venv is absent.
 speculators-env: $(SPEC_STAMP)
 
 $(SPEC_STAMP):
@@ -59,7 +59,7 @@ test: $(STAMP) $(SPEC_STAMP)
 	$(OFFLINE) $(VENV)/bin/python -m pytest -m "not vllm and not faults" $(PYTEST_ARGS)
 
 # Real processes killed with SIGKILL, ENOSPC injected mid-write, two runs into one output_dir, a DDP rank killed
-# (tests/test_faults.py); the faults that need a vLLM server run with `make test-vllm`.
+# (tests/integration/test_faults.py); the faults that need a vLLM server run with `make test-vllm`.
 test-faults: $(STAMP)
 	$(OFFLINE) $(VENV)/bin/python -m pytest -m "faults and not vllm" $(PYTEST_ARGS)
 

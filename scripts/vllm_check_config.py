@@ -6,7 +6,7 @@ the draft config vLLM parsed (the fields its DSpark model reads). Nothing is loa
 
 Run it with the python of an environment that has vLLM (`make vllm-env` creates .venv-vllm). vLLM serves DSpark
 only on its V2 model runner, which needs Triton; on a CPU-only vLLM the runner check is bypassed here, in this
-process only, so the config can be validated where it cannot be served (tests/test_vllm_serving.py compares the
+process only, so the config can be validated where it cannot be served (tests/vllm/test_vllm_serving.py compares the
 result with the drafter's config.json).
 """
 

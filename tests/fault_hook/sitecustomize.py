@@ -1,4 +1,4 @@
-"""Fault injection for the subprocesses of tests/test_faults.py; inert unless DSPARK_FAULT is set.
+"""Fault injection for the subprocesses of tests/integration/test_faults.py; inert unless DSPARK_FAULT is set.
 
 `DSPARK_FAULT="<module>:<function>:<pattern>:<action>"` wraps `<module>.<function>` at interpreter start
 (before the package imports it by name; `<function>` may be `Class.method`), and the first call with a path

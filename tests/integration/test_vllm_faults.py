@@ -250,7 +250,7 @@ def test_a_killed_server_stops_the_run_in_one_sentence_and_the_resume_on_a_new_o
     theirs = {b["step"]: b["rows"] for b in batches(reference)}
     assert {b["step"]: b["rows"] for b in ours[start_of_rerun:]} == {s: theirs[s] for s in range(step, 6)}
     # The same parameters within float32 tolerance, not bit for bit: a server may batch the same prefills differently
-    # in another pass, and its states then differ in the last bits (relative ~1e-6, tests/test_vllm.py), which the
+    # in another pass, and its states then differ in the last bits (relative ~1e-6, tests/vllm/test_vllm.py), which the
     # steps after carry on; rtol 1e-4 / atol 1e-5 leave two orders of magnitude for that (measured here: equal).
     final, expected = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
     assert final.keys() == expected.keys()

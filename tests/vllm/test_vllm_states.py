@@ -1,6 +1,6 @@
 """The online hidden-state client up to the vLLM boundary: the file protocol it reads (lock, validation,
 deletion), its failure bounds against a closed port, URL assignment and the extraction server's command.
-The same client against real vLLM servers: tests/test_vllm.py (`make test-vllm`)."""
+The same client against real vLLM servers: tests/vllm/test_vllm.py (`make test-vllm`)."""
 
 import fcntl
 import json

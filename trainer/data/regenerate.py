@@ -22,7 +22,7 @@ Two backends generate the replies:
 
 * `vllm`: a running OpenAI-compatible vLLM server of the verifier (`vllm serve google/gemma-4-E4B-it`), sent
   `/v1/chat/completions` requests with the turn's messages; the server applies the verifier's chat template
-  (for SmolLM2 it gives exactly the prompt tokens of the local rendering: tests/test_vllm_regenerate.py).
+  (for SmolLM2 it gives exactly the prompt tokens of the local rendering: tests/vllm/test_vllm_regenerate.py).
   Requests run concurrently (`--concurrency` rows in flight, each row's turns in order), with retries and
   exponential backoff on connection errors, timeouts and 5xx (`--retries`, `--timeout`). Before any work the
   server must answer `/v1/models` and list the verifier (or `--served-model-name`) as a model id or root.

@@ -1,7 +1,7 @@
 """Response regeneration by the verifier: output schema, the verifier's own greedy text turn by turn, resumption,
 order-preserving output, the summary counts, and the vLLM backend's client (server checks, retries, failures,
 what each request sends) against a closed port and a scripted stand-in server. Real vLLM servers:
-tests/test_vllm_regenerate.py."""
+tests/vllm/test_vllm_regenerate.py."""
 
 import json
 import socket
