@@ -284,7 +284,7 @@ def test_kill_9_between_the_folded_weights_and_the_calibration_record(chat_verif
     from trainer.train.calibration import applied_fold
 
     out = tmp_path / "out"
-    env = fault_env(tmp_path, "trainer.train.checkpoints:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
+    env = fault_env(tmp_path, "trainer.files:write_json_atomic:*/checkpoint-*/dspark_calibration.json:pause")
     proc = start(run_args(chat_verifier_dir, chat_data_file, out, *CALIBRATED), tmp_path / "killed.log", env=env)
     wait_for(lambda: (tmp_path / "fault-reached").exists(), proc, tmp_path / "killed.log", what="the record")
     os.killpg(proc.pid, signal.SIGKILL)
@@ -384,6 +384,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
 
     import trainer.states.cache_format as states_cache
     from trainer.errors import run_cli
+    from trainer.states.cache_cli import main as cache_main
 
     class FillingFile(io.FileIO):
         def write(self, data):
@@ -397,11 +398,11 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
         return open(path, mode, *args, **kwargs)
 
     cache_dir = tmp_path / "states"
-    argv = cache_args(chat_verifier_dir, chat_data_file, cache_dir)[3:]
+    argv = cache_args(chat_verifier_dir, chat_data_file, cache_dir)[4:]  # after `python -m trainer states-cache`
     monkeypatch.setattr(states_cache, "open", filling_open, raising=False)
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        assert run_cli(states_cache.main, argv) == 1
+        assert run_cli(cache_main, argv) == 1
     total = len(list(complete_cache.glob("shard-*.safetensors")))
     assert error_line(stderr.getvalue()) == (
         f"error: the disk of cache {cache_dir} filled up while writing shard-00002.safetensors (2 of {total} shards "
@@ -409,7 +410,7 @@ def test_a_full_disk_during_a_cache_write(chat_verifier_dir, chat_data_file, tmp
     assert sorted(p.name for p in cache_dir.iterdir()) == ["plan.json", "shard-00000.safetensors",
                                                            "shard-00001.safetensors"]  # no partial file
     monkeypatch.undo()
-    assert run_cli(states_cache.main, argv) == 0
+    assert run_cli(cache_main, argv) == 0
     assert_same_cache(cache_dir, complete_cache)
 
 
