@@ -1,0 +1,332 @@
+"""Every command block in the README and docs/ is checked against the code, so a renamed flag, command, module,
+config, script, Makefile target or extra fails the suite instead of a newcomer's first try.
+
+A block is a fenced `bash` block. Its lines are joined at backslash continuations, comments dropped, and split
+into commands at `&&`, `||`, `;`, `|` and `&`. Each command is checked by what it runs:
+
+    make TARGET [VAR=value]               the target exists in the Makefile, each VAR is one it reads
+    python -m trainer CMD ...             CMD is a command of the table; every --flag is one its --help lists
+    python -m benchmarks.X / push_to_hub.py / scripts/X.py
+                                          the module or script exists; every --flag is one its --help lists
+    [accelerate launch ...] trainer/run.py --config C --key value
+                                          C exists; the overrides parse as run-config keys (RunConfig.load)
+    python -m trainer vllm-server ... # prints the command below
+                                          the printed command equals the documented one, token for token
+    pip install -e ".[extra]"             each extra is declared in setup.cfg
+    vllm serve, curl, hf, source, ...     tools of other projects: only the repository paths they name are checked
+
+A program the table does not know fails the test, so a new kind of command is checked rather than skipped.
+Fenced `python` blocks must parse, and every name they import from this package must exist.
+
+Help texts are read in process (argparse prints them and exits), so the whole check takes seconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# Programs of other projects a doc may run: only the repository paths they name are checked.
+EXTERNAL = {"vllm", "curl", "hf", "source", "cd", "export", "until", "do", "done", "sleep", "nvidia-smi", "ready",
+            "git", "ls", "cat", "mkdir", "rm", "cp", "kill", "wait"}
+PYTHONS = {"python", "python3", ".venv/bin/python"}
+# Leading words that start a shell construct rather than a command.
+SHELL_WORDS = {"until", "do", "done", "then", "fi", "while"}
+
+
+# ------------------------------------------------------------------------------------------------ extraction
+def bash_blocks(path: Path) -> list[tuple[int, str]]:
+    """`(first line number, text)` of every fenced bash/sh/shell block in `path`."""
+    blocks, inside, start, lines = [], False, 0, []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fence = line.strip()
+        if not inside and re.fullmatch(r"```(bash|sh|shell)", fence):
+            inside, start, lines = True, number + 1, []
+        elif inside and fence == "```":
+            blocks.append((start, "\n".join(lines)))
+            inside = False
+        elif inside:
+            lines.append(line)
+    return blocks
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    blocks, inside, start, lines = [], False, 0, []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fence = line.strip()
+        if not inside and fence == "```python":
+            inside, start, lines = True, number + 1, []
+        elif inside and fence == "```":
+            blocks.append((start, "\n".join(lines)))
+            inside = False
+        elif inside:
+            lines.append(line)
+    return blocks
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """`(code, comment)`: a `#` starts a comment at a word start outside quotes, as in the shell."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i], line[i + 1:].strip()
+    return line, ""
+
+
+def commands(block: str) -> list[tuple[list[str], str]]:
+    """The commands of a block as `(tokens, trailing comment)`; a shell function definition is skipped (its body
+    is a command of its own only when called)."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    out = []
+    for line in joined.splitlines():
+        code, comment = split_comment(line.strip())
+        if not code.strip() or re.match(r"^[\w-]+\(\)\s*\{", code.strip()):
+            continue
+        lexer = shlex.shlex(code, posix=True, punctuation_chars="&|;")
+        lexer.whitespace_split = True
+        lexer.commenters = ""
+        try:
+            tokens = list(lexer)
+        except ValueError as e:  # an unbalanced quote is a broken command
+            raise AssertionError(f"cannot parse the shell line {line!r}: {e}") from e
+        current: list[str] = []
+        for token in tokens:
+            if set(token) <= set("&|;"):
+                if current:
+                    out.append((current, comment))
+                current = []
+            else:
+                current.append(token)
+        if current:
+            out.append((current, comment))
+    return out
+
+
+def all_commands() -> list[tuple[str, list[str], str, str]]:
+    """`(where, tokens, comment, block)` for every command of every doc."""
+    found = []
+    for path in DOC_FILES:
+        for line, block in bash_blocks(path):
+            for tokens, comment in commands(block):
+                found.append((f"{path.relative_to(ROOT)}:{line}", tokens, comment, block))
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the code's side
+_HELP: dict[tuple[str, ...], str] = {}
+
+
+def help_text(target: tuple[str, ...]) -> str:
+    """The --help output of a command, read in process: `("trainer", CMD)`, `("module", NAME)` or
+    `("script", PATH)`."""
+    if target in _HELP:
+        return _HELP[target]
+    kind, name = target
+    argv = ["--help"]
+    if kind == "trainer":
+        from trainer.__main__ import COMMANDS
+
+        command = COMMANDS[name]
+        function = getattr(importlib.import_module(command.module), command.function)
+    elif kind == "module":
+        function = importlib.import_module(name).main
+    else:  # a script: its own process, as a user runs it (scripts edit sys.path for themselves)
+        proc = subprocess.run([sys.executable, str(ROOT / name), "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"{name} --help failed: {proc.stderr[-2000:]}"
+        _HELP[target] = proc.stdout
+        return proc.stdout
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), pytest.raises(SystemExit) as exited:
+        function(argv)
+    assert exited.value.code in (0, None), f"{target} --help exited with {exited.value.code}"
+    _HELP[target] = buffer.getvalue()
+    return _HELP[target]
+
+
+def flags(tokens: list[str]) -> list[str]:
+    return [t.split("=", 1)[0] for t in tokens if t.startswith("--") and len(t) > 2]
+
+
+def unknown_flags(tokens: list[str], text: str) -> list[str]:
+    """Flags of `tokens` that the help text does not list (either spelling: the parsers accept both)."""
+    listed = {f.replace("_", "-") for f in re.findall(r"--[\w-]+", text)}
+    return [f for f in flags(tokens) if f.replace("_", "-") not in listed and f != "--help"]
+
+
+def makefile() -> tuple[set[str], set[str]]:
+    text = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w-]+):", text, flags=re.M))
+    variables = set(re.findall(r"\$\((\w+)\)", text)) | set(re.findall(r"^(\w+)\s*\??=", text, flags=re.M))
+    return targets, variables
+
+
+def extras() -> set[str]:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    return set(parser["options.extras_require"])
+
+
+REPO_PATH = re.compile(r"^(configs|scripts|data/demo|trainer|benchmarks|tests|docs)/[\w./-]*$")
+
+
+def missing_repo_paths(tokens: list[str]) -> list[str]:
+    """Tokens naming a file of this repository (configs/, scripts/, ...) that does not exist."""
+    return [t for t in tokens if REPO_PATH.match(t) and not (ROOT / t).exists()]
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_run_py(tokens: list[str]) -> None:
+    """`trainer/run.py --config C --key value ...`: C exists and the overrides are run-config keys of the right
+    types (the same parsing a run does before anything is loaded)."""
+    from trainer.config import RunConfig
+
+    rest = tokens[tokens.index("trainer/run.py") + 1:]
+    config = None
+    if "--config" in rest:
+        i = rest.index("--config")
+        config, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+        assert (ROOT / config).is_file(), f"config {config} does not exist"
+    RunConfig.load(str(ROOT / config) if config else None, rest)
+
+
+def check(tokens: list[str]) -> None:
+    """One command; an AssertionError (or the code's own UsageError) says what is wrong."""
+    while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):  # VAR=value prefixes
+        tokens = tokens[1:]
+    assert tokens, "an empty command"
+    program = tokens[0]
+    assert not missing_repo_paths(tokens), f"names files that do not exist: {missing_repo_paths(tokens)}"
+    if program in SHELL_WORDS or program in EXTERNAL:
+        return
+    if program == "make":
+        targets, variables = makefile()
+        for token in tokens[1:]:
+            if "=" in token:
+                name = token.split("=", 1)[0]
+                assert name in variables, f"the Makefile reads no variable {name}"
+            else:
+                assert token in targets, f"the Makefile has no target {token}"
+        return
+    if program == "accelerate":
+        if tokens[1:] == ["config"]:  # accelerate's own interactive set-up
+            return
+        assert tokens[1] == "launch", "accelerate is only used as `accelerate config` and `accelerate launch`"
+        scripts = [t for t in tokens if t.endswith(".py")]
+        assert scripts == ["trainer/run.py"], f"accelerate launch runs trainer/run.py, not {scripts}"
+        check_run_py(tokens)
+        return
+    if program in ("pip",):
+        wanted = [e for t in tokens for group in re.findall(r"\.\[([\w,-]+)\]", t) for e in group.split(",")]
+        unknown = sorted(set(wanted) - extras())
+        assert not unknown, f"setup.cfg declares no extra {unknown}"
+        for i, token in enumerate(tokens):
+            if token == "-c":
+                assert (ROOT / tokens[i + 1]).is_file(), f"constraints file {tokens[i + 1]} does not exist"
+        return
+    if program in PYTHONS:
+        args = tokens[1:]
+        if args[:2] == ["-m", "venv"]:
+            return
+        if args[:2] == ["-m", "trainer"]:
+            from trainer.__main__ import COMMANDS
+
+            assert len(args) > 2, "python -m trainer needs a command"
+            name = args[2].replace("_", "-")
+            assert name in COMMANDS, f"python -m trainer has no command {args[2]} ({', '.join(COMMANDS)})"
+            if name == "train":
+                check_run_py(["trainer/run.py", *args[3:]])
+                return
+            bad = unknown_flags(args[3:], help_text(("trainer", name)))
+            assert not bad, f"python -m trainer {name} has no flag {bad}"
+            return
+        if args[0] == "-m":
+            module = args[1]
+            assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), f"no module {module} in the repository"
+            bad = unknown_flags(args[2:], help_text(("module", module)))
+            assert not bad, f"python -m {module} has no flag {bad}"
+            return
+        script = args[0]
+        assert (ROOT / script).is_file(), f"no script {script} in the repository"
+        if script == "trainer/run.py":
+            check_run_py(args)
+            return
+        bad = unknown_flags(args[1:], help_text(("script", script)))
+        assert not bad, f"{script} has no flag {bad}"
+        return
+    raise AssertionError(f"the docs run {program!r}, which this test does not know how to check; teach it "
+                         f"(tests/unit/test_docs.py) rather than skipping the command")
+
+
+COMMANDS = all_commands()
+
+
+def test_the_docs_have_commands_to_check():
+    """The extraction itself: a README without command blocks, or a parser that finds none, fails here."""
+    where = {w.split(":")[0] for w, *_ in COMMANDS}
+    assert "README.md" in where and len(COMMANDS) >= 20, (len(COMMANDS), where)
+    readme = {tuple(t[:2]) for w, t, *_ in COMMANDS if w.startswith("README.md")}
+    assert ("make", "demo") in readme and ("make", "test") in readme, readme
+
+
+@pytest.mark.parametrize("where,tokens", [(w, t) for w, t, *_ in COMMANDS], ids=lambda x: x if isinstance(x, str) else None)
+def test_documented_command_matches_the_code(where, tokens):
+    check(list(tokens))
+
+
+@pytest.mark.parametrize("path,line,source", [(str(p.relative_to(ROOT)), n, s) for p in DOC_FILES
+                                              for n, s in python_blocks(p)])
+def test_documented_python_imports_exist(path, line, source):
+    tree = ast.parse(source, filename=f"{path}:{line}")
+    own = ("configuration_dspark", "modeling_dspark", "generation_dspark", "trainer", "push_to_hub")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in own:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{path}:{line}: {node.module} has no {alias.name}"
+
+
+def test_every_doc_page_is_linked_from_the_index():
+    index = (ROOT / "docs" / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for page in (ROOT / "docs").glob("*.md"):
+        if page.name != "README.md":
+            assert f"]({page.name})" in index, f"docs/README.md does not link {page.name}"
+            assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+# ------------------------------------------------------------------------------------------------ the checker itself
+@pytest.mark.parametrize("bad,why", [
+    ("python -m trainer evaluate --drafter x --max-new-tokenz 4 --out y", "has no flag"),
+    ("python -m trainer evaluat --drafter x", "has no command"),
+    ("python push_to_hub.py --checkpoint x --repo-idd me/x", "has no flag"),
+    ("python trainer/run.py --config configs/smollm2-135m.yaml --max_stepz 5", "unknown option"),
+    ("python trainer/run.py --config configs/nope.yaml", "not exist"),
+    ("make tests", "no target"),
+    ("make test MARKS='not slow'", "no variable"),
+    ('pip install -e ".[gpux]"', "no extra"),
+    ("python -m benchmarks.nope --quick", "no module"),
+    ("frobnicate --all", "does not know"),
+])
+def test_the_checker_catches_a_renamed_flag_or_module(bad, why):
+    """The checker must fail on each kind of drift it claims to catch (else it is a test that cannot fail)."""
+    (tokens, _), = commands(bad)
+    with pytest.raises(Exception, match=why):
+        check(tokens)
