@@ -29,7 +29,9 @@ means its `checkpoint-best` when present, else its own final model, else its lat
 Symlinks are resolved. (The run directory's layout is described in `trainer/train/checkpoints.py`.)
 
 `--eval-results` takes the `dspark-acceptance/1` JSON files that `trainer/evaluation/in_process.py` writes (format in
-`trainer/evaluation/results.py`); each must be measured for this drafter's block size, verifier and weights.
+`trainer/evaluation/results.py`); each must be measured for this drafter's block size, verifier and weights: on
+the checkpoint itself, or on a `--dry-run` export of it (served by vLLM, say), whose bf16 weights hash differently
+but record the checkpoint's sha256 in their safetensors metadata, which the results carry.
 
 The token comes from the usual Hugging Face sources (`HF_TOKEN`, or the login saved by `hf auth login`) and
 is never printed. Errors are one sentence naming the cause and the fix; the exit status is 2 for bad input
@@ -112,7 +114,8 @@ def build_parser() -> Parser:
     p.add_argument("--repo-id", required=True, help="target Hub repo, ORG/NAME")
     p.add_argument("--verifier-id", help="the verifier's Hub id for config.json (default: the checkpoint's)")
     p.add_argument("--eval-results", nargs="+", action="extend", default=[], metavar="FILE",
-                   help=f"{RESULTS_SCHEMA} JSON files from trainer/evaluation/in_process.py (one card section each)")
+                   help=f"{RESULTS_SCHEMA} JSON files measured on this checkpoint or on its --dry-run export "
+                        f"(one card section each)")
     p.add_argument("--license", default="apache-2.0", help="license metadata for the card (default: apache-2.0)")
     p.add_argument("--private", action="store_true", help="create the repo as private (when it does not exist)")
     p.add_argument("--revision", help="branch to commit to (created when missing; default: main)")

@@ -26,7 +26,9 @@ the drafter's training `forward` is run teacher-forced on the generated sequence
 for its aux states, `verifier_hidden_states`), with one block anchored at each actual verification step, and
 the greedy acceptance it predicts per step must equal the measured one (see `teacher_forced_acceptance`). A
 layout difference between training and `draft()` (anchor, positions, mask, Markov chain, vocabulary mapping)
-shows up as differing steps wherever it changes a greedy draft, reported per subset (`teacher_forced_acceptance_length`, `fidelity_steps`,
+shows up as differing steps wherever it changes a greedy draft, reported per subset (`teacher_forced_acceptance_length`
+beside `measured_acceptance_length_compared`, both over the `fidelity_steps` compared: a prompt's last step may
+go uncompared, so `acceptance_length`, over all steps, is not the number to hold it against; and
 `fidelity_steps_differing`) and warned about (`FidelityWarning`). At T > 0 acceptance is random, so the check
 is skipped and the fields are null.
 
@@ -221,7 +223,8 @@ def evaluate_in_process(
             if check:
                 result = teacher_forced_acceptance(drafter, verifier, out.sequences, ids.shape[1],
                                                    out.committed_per_step)
-                stats[name].add_fidelity([result.teacher_forced[i] for i in result.compared], len(result.differing))
+                stats[name].add_fidelity([result.teacher_forced[i] for i in result.compared],
+                                         [result.measured[i] for i in result.compared])
             if throughput and (throughput_prompts is None or index < throughput_prompts):
                 stats[name].paired_tokens += out.sequences.shape[1] - ids.shape[1]
                 stats[name].paired_seconds += elapsed

@@ -19,13 +19,21 @@ backend in trainer/evaluation/in_process.py; a vLLM server backend writes the sa
                                   fidelity check (greedy only; null when not run, e.g. at T > 0):
                                   teacher_forced_acceptance_length (mean over the compared steps of the
                                   acceptance the drafter's training forward predicts on the generated
-                                  sequence), fidelity_steps (steps compared), fidelity_steps_differing
-                                  (compared steps whose teacher-forced value differs from the measured one;
-                                  0 unless training forward and draft() disagree, or at argmax ties)
+                                  sequence), measured_acceptance_length_compared (the measured acceptance
+                                  over exactly those steps: the number to compare it with, since a prompt's
+                                  last step may go uncompared), fidelity_steps (steps compared),
+                                  fidelity_steps_differing (compared steps whose teacher-forced value differs
+                                  from the measured one; 0 unless training forward and draft() disagree, or
+                                  at argmax ties)
     weighted_acceptance_length    mean over all steps (subsets weighted by steps)
     unweighted_acceptance_length  plain mean of the subset means
     total_steps
     drafter, drafter_weights_sha256, verifier, dataset, date, machine, versions   provenance
+    drafter_source_weights_sha256 when the drafter is an export (`push_to_hub.py`, also --dry-run): the
+                                  weights sha256 of the checkpoint it was staged from, which its safetensors
+                                  metadata records (`SOURCE_WEIGHTS_KEY`); null otherwise. The bf16 export's
+                                  own sha256 differs from the checkpoint's, so this is what lets results
+                                  measured on the export pair with the checkpoint when it is pushed
     other_drafters.<name>.<subset>   optional: other drafters on the same prompts (acceptance_length, tokens_per_s)
 
 Acceptance length and `pos` are reduced from per-step committed counts by the `evaluate` metric module
@@ -51,6 +59,9 @@ from trainer.evaluation.metrics.dspark_acceptance.dspark_acceptance import means
 from trainer.files import is_local, write_json_atomic, write_text_atomic
 
 SCHEMA = "dspark-acceptance/1"
+# The safetensors metadata key under which an export records the weights sha256 of the checkpoint it was staged from
+# (metadata, not a tensor or a config key: vLLM and speculators reject unknown ones, and ignore metadata).
+SOURCE_WEIGHTS_KEY = "dspark_source_weights_sha256"
 # The nine RedHatAI/speculator_benchmarks subsets, in the order tables and cards list them.
 SUBSETS = ("math_reasoning", "HumanEval", "question", "writing", "translation", "rag", "tool_call", "qa",
            "summarization")
@@ -97,6 +108,7 @@ class AcceptanceStats:
     paired_seconds: float = 0.0
     # fidelity check (trainer/evaluation/in_process.py `teacher_forced_acceptance`): None until a check was recorded
     teacher_forced: list[int] | None = None  # teacher-forced acceptance of each compared step
+    measured_compared: list[int] | None = None  # measured acceptance of the same steps, in the same order
     fidelity_steps_differing: int = 0
 
     def add(self, committed_per_step: list[int], generated_tokens: int, seconds: float) -> None:
@@ -108,18 +120,21 @@ class AcceptanceStats:
         self.generated_tokens += generated_tokens
         self.seconds += seconds
 
-    def add_fidelity(self, teacher_forced: list[int], differing: int) -> None:
-        """Record one prompt's fidelity check: the teacher-forced acceptance of each compared step and how many
-        of them differ from the measured one."""
-        bad = [c for c in teacher_forced if not 1 <= c <= self.block_size + 1]
+    def add_fidelity(self, teacher_forced: list[int], measured: list[int]) -> None:
+        """Record one prompt's fidelity check: the teacher-forced and the measured acceptance of each compared
+        step, pairwise. The measured values are kept apart from `committed` because the check may leave steps
+        out (a last step cut by the sequence end): the means to compare are over the same steps."""
+        if len(teacher_forced) != len(measured):
+            raise ValueError(f"{len(teacher_forced)} teacher-forced values for {len(measured)} measured steps; pass "
+                             f"one of each per compared step.")
+        bad = [c for c in [*teacher_forced, *measured] if not 1 <= c <= self.block_size + 1]
         if bad:
-            raise ValueError(f"a teacher-forced acceptance of {bad[0]} is outside 1..{self.block_size + 1}.")
-        if not 0 <= differing <= len(teacher_forced):
-            raise ValueError(f"{differing} differing steps out of {len(teacher_forced)} compared is impossible.")
+            raise ValueError(f"a compared acceptance of {bad[0]} is outside 1..{self.block_size + 1}.")
         if self.teacher_forced is None:
-            self.teacher_forced = []
+            self.teacher_forced, self.measured_compared = [], []
         self.teacher_forced.extend(teacher_forced)
-        self.fidelity_steps_differing += differing
+        self.measured_compared.extend(measured)
+        self.fidelity_steps_differing += sum(t != m for t, m in zip(teacher_forced, measured))
 
 
 def reduce(stats: dict[str, AcceptanceStats], block_size: int) -> dict:
@@ -134,6 +149,8 @@ def reduce(stats: dict[str, AcceptanceStats], block_size: int) -> dict:
     for name, s in stats.items():
         out = {**reduced["subsets"][name], "prompts": s.prompts, "generated_tokens": s.generated_tokens}
         checked = s.teacher_forced is not None
+        out["measured_acceptance_length_compared"] = (sum(s.measured_compared) / len(s.measured_compared)
+                                                      if checked and s.measured_compared else None)
         out["teacher_forced_acceptance_length"] = (sum(s.teacher_forced) / len(s.teacher_forced)
                                                    if checked and s.teacher_forced else None)
         out["fidelity_steps"] = len(s.teacher_forced) if checked else None
@@ -191,8 +208,29 @@ def weights_sha256(directory: str | os.PathLike) -> str | None:
     return digest.hexdigest()
 
 
+def source_weights_sha256(directory: str | os.PathLike) -> str | None:
+    """The weights sha256 of the checkpoint that `directory` was exported from, as the export recorded it in its
+    safetensors metadata (`SOURCE_WEIGHTS_KEY`); None when it is not an export (a training checkpoint, a Hub id,
+    or shards that disagree)."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    found = set()
+    for name in files:
+        try:
+            with safe_open(os.path.join(directory, name), framework="pt") as f:
+                found.add((f.metadata() or {}).get(SOURCE_WEIGHTS_KEY))
+        except (SafetensorError, OSError):
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
 def with_provenance(results: dict, drafter: str, verifier: str, dataset: str) -> dict:
-    """Add what was measured (drafter and its weights' hash, verifier, prompts) and where (date, machine)."""
+    """Add what was measured (drafter, its weights' hash and, for an export, its checkpoint's; verifier, prompts)
+    and where (date, machine)."""
     import torch
     import transformers
 
@@ -200,6 +238,7 @@ def with_provenance(results: dict, drafter: str, verifier: str, dataset: str) ->
         **results,
         "drafter": drafter,
         "drafter_weights_sha256": weights_sha256(drafter),
+        "drafter_source_weights_sha256": source_weights_sha256(drafter),
         "verifier": verifier,
         "dataset": dataset,
         "date": time.strftime("%Y-%m-%d"),
@@ -216,8 +255,8 @@ def format_table(results: dict) -> str:
     B = results["block_size"]
     head = "| subset | acceptance_length | " + " | ".join(f"pos_{k}" for k in range(B)) + " | steps |"
     has_fidelity = any(v.get("fidelity_steps") is not None for v in results["subsets"].values())
-    if has_fidelity:
-        head += " teacher_forced_acceptance_length | fidelity_steps_differing |"
+    if has_fidelity:  # the measured and teacher-forced means over the same (compared) steps, side by side
+        head += " measured_acceptance_length_compared | teacher_forced_acceptance_length | fidelity_steps_differing |"
     has_speed = any("tokens_per_s" in v for v in results["subsets"].values())
     has_baseline = any("baseline_tokens_per_s" in v for v in results["subsets"].values())
     if has_speed:
@@ -229,8 +268,9 @@ def format_table(results: dict) -> str:
         row = f"| {name} | {v['acceptance_length']:.3f} | " + " | ".join(f"{p:.1%}" for p in v["pos"])
         row += f" | {v['steps']} |"
         if has_fidelity:
-            tf, compared = v.get("teacher_forced_acceptance_length"), v.get("fidelity_steps")
-            row += f" {tf:.3f} |" if tf is not None else " - |"
+            compared = v.get("fidelity_steps")
+            for key in ("measured_acceptance_length_compared", "teacher_forced_acceptance_length"):
+                row += f" {v[key]:.3f} |" if v.get(key) is not None else " - |"
             row += f" {v['fidelity_steps_differing']} of {compared} |" if compared is not None else " - |"
         if has_speed:
             row += f" {v['tokens_per_s']:.1f} |" if "tokens_per_s" in v else " - |"
@@ -277,6 +317,7 @@ class SubsetResult:
     baseline_tokens_per_s: float | None = None
     speedup: float | None = None
     teacher_forced_acceptance_length: float | None = None  # fidelity check; None when not run or not recorded
+    measured_acceptance_length_compared: float | None = None  # the measured one over the same steps (newer files)
     fidelity_steps: int | None = None
     fidelity_steps_differing: int | None = None
 
@@ -400,11 +441,15 @@ def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | No
     if verifier_id and is_hub_id(verifier) and verifier != verifier_id:
         raise ResultsError(f"eval results {path} were measured with verifier {verifier} but this drafter's verifier is "
                         f"{verifier_id}; pass results measured for this drafter.")
-    measured_weights = data.get("drafter_weights_sha256")
-    if weights_sha256 and measured_weights and measured_weights != weights_sha256:
+    # Measured on this checkpoint itself, or on an export of it (whose bf16 weights hash differently, so the export
+    # records the checkpoint's hash, `drafter_source_weights_sha256`); results that record neither are not refused.
+    measured_weights, source = data.get("drafter_weights_sha256"), data.get("drafter_source_weights_sha256")
+    if weights_sha256 and (measured_weights or source) and weights_sha256 not in (measured_weights, source):
+        what = f"sha256 {measured_weights[:12]}" if measured_weights else "an export"
+        what += f", exported from {source[:12]}," if source else ""
         raise ResultsError(f"eval results {path} were measured on different drafter weights than this checkpoint's "
-                        f"(sha256 {measured_weights[:12]} vs {weights_sha256[:12]}); evaluate this checkpoint with "
-                        f"trainer/evaluation/in_process.py and pass that file.")
+                        f"({what} vs {weights_sha256[:12]}); evaluate this checkpoint, or its push_to_hub.py "
+                        f"--dry-run export, and pass that file.")
     raw = data.get("subsets")
     if not isinstance(raw, dict) or not raw:
         raise ResultsError(f"eval results {path} has no subsets; regenerate the file with trainer/evaluation/in_process.py.")
@@ -433,6 +478,8 @@ def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | No
             speedup=_number(entry.get("speedup"), w + "speedup", path),
             teacher_forced_acceptance_length=_number(entry.get("teacher_forced_acceptance_length"),
                                                      w + "teacher_forced_acceptance_length", path),
+            measured_acceptance_length_compared=_number(entry.get("measured_acceptance_length_compared"),
+                                                        w + "measured_acceptance_length_compared", path),
             fidelity_steps=_number(entry.get("fidelity_steps"), w + "fidelity_steps", path, integer=True),
             fidelity_steps_differing=_number(entry.get("fidelity_steps_differing"), w + "fidelity_steps_differing",
                                              path, integer=True),

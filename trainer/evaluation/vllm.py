@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--draft-method", choices=VLLM_DRAFT_METHODS, default="greedy",
                         help="the server's draft_sample_method, recorded in the results (vLLM's default: greedy)")
-    parser.add_argument("--drafter", default=None, help="the served drafter's directory or Hub id (provenance)")
+    parser.add_argument("--drafter", default=None,
+                        help="the served drafter's directory or Hub id (provenance: a local directory's weights "
+                             "sha256, and for a push_to_hub.py export its checkpoint's, pair the results with the "
+                             "checkpoint push_to_hub.py exports)")
     parser.add_argument("--verifier", default=None, help="the verifier's Hub id (provenance)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

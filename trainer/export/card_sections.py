@@ -317,11 +317,35 @@ def _results_section(r: AcceptanceResults, block: int) -> str:
     if len(r.subsets) > 1:
         out.append(f"Highest on {best.name} ({best.acceptance_length:.2f}, pos_{block - 1} {_pct(best.pos[-1])}), "
                    f"lowest on {worst.name} ({worst.acceptance_length:.2f}).")
+    fidelity = _fidelity(r)
+    if fidelity:
+        out.append(fidelity)
     out.append(_throughput(r))
     comparison = _comparison(r)
     if comparison:
         out.append(comparison)
     return "\n\n".join(out)
+
+
+def _fidelity(r: AcceptanceResults) -> str | None:
+    """The fidelity check of a greedy run (None when it was not run): the measured and the teacher-forced acceptance
+    side by side over the same compared steps, so equal numbers mean training and serving agree. Files written
+    before the measured mean over the compared steps was recorded show a dash there (their `acceptance_length`
+    covers more steps and is no comparison)."""
+    checked = [s for s in r.subsets if s.fidelity_steps is not None]
+    if not checked:
+        return None
+    fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
+    rows = [[s.name, f"{s.fidelity_steps} of {s.steps}" if s.steps else str(s.fidelity_steps),
+             fmt(s.measured_acceptance_length_compared), fmt(s.teacher_forced_acceptance_length),
+             str(s.fidelity_steps_differing) if s.fidelity_steps_differing is not None else "–"] for s in checked]
+    return ("#### Fidelity check (training forward against serving-time drafting)\n\nThe drafter's training forward, "
+            "teacher-forced on each generated sequence with one block at every actual verification step, predicts "
+            "the greedy acceptance of each step; both means are over the same compared steps (a prompt's last step "
+            "goes uncompared when its block runs past the sequence), so they agree exactly unless training and "
+            "drafting compute different things (or at numerical argmax ties).\n\n"
+            + _table(["subset", "steps compared", "measured acceptance_length", "teacher-forced acceptance_length",
+                      "steps differing"], rows))
 
 
 def _throughput(r: AcceptanceResults) -> str:

@@ -1,9 +1,11 @@
 """The model card's usage section: how to serve the drafter with vLLM (the options its calibration and
-training suit) and how to decode with it in process through transformers' `custom_generate`."""
+training suit, and the draft method its results measured more with) and how to decode with it in process through
+transformers' `custom_generate`."""
 
 from __future__ import annotations
 
-from trainer.export.card_sections import CardInputs, read_calibration
+from trainer.evaluation.results import AcceptanceResults
+from trainer.export.card_sections import _BACKENDS, CardInputs, read_calibration
 
 _TRAINED_FOR = {
     "greedy": "vLLM's default greedy drafting (`draft_sample_method: greedy`, the verifier sampling at its own "
@@ -42,9 +44,78 @@ def serving_options(inputs: CardInputs) -> str:
     return "#### Serving options this drafter was trained for\n\n" + "\n".join(rows)
 
 
+_SERVED_METHODS = ("greedy", "probabilistic")  # vLLM's `draft_sample_method` values
+
+
+def _mean(r: AcceptanceResults, weighted: bool) -> float:
+    return r.weighted if weighted else r.unweighted
+
+
+def _setting(r: AcceptanceResults) -> str:
+    """Where a T > 0 measurement was taken, in words: "T = 1, top_p 0.95 (in-process, prompts `heldout`, up to 64 new
+    tokens)"."""
+    extra = [f"{k} {r.sampling[k]}" for k in ("top_p", "top_k", "min_p") if r.sampling.get(k) is not None]
+    how = [_BACKENDS.get(r.backend, r.backend)] if r.backend else []
+    how.append(f"prompts `{r.dataset_label}`")
+    if r.max_new_tokens:
+        how.append(f"up to {r.max_new_tokens} new tokens")
+    return ", ".join([f"T = {r.sampling['temperature']:g}", *extra]) + f" ({', '.join(how)})"
+
+
+def draft_method_section(results: list[AcceptanceResults]) -> str | None:
+    """Which of vLLM's draft methods measured more where the verifier samples, and what to set for it.
+
+    Only measurements that differ in the draft method alone are compared: same sampling settings, backend, prompts
+    and token budget (the first file of each method in a group counts). A group that measured one method says only
+    that; greedy decoding (T = 0) has nothing to choose, every method takes the argmax there. None when no result
+    at T > 0 records its draft method."""
+    groups: dict[tuple, dict[str, AcceptanceResults]] = {}
+    for r in results:
+        if not r.sampling or r.greedy or r.draft_method is None:
+            continue
+        key = (tuple(sorted((k, v) for k, v in r.sampling.items() if v is not None)), r.backend, r.dataset,
+               r.max_new_tokens)
+        groups.setdefault(key, {}).setdefault(r.draft_method, r)
+    if not groups:
+        return None
+    lines = []
+    for methods in groups.values():
+        where = _setting(next(iter(methods.values())))
+        if all(m in methods for m in _SERVED_METHODS):
+            greedy, probabilistic = methods["greedy"], methods["probabilistic"]
+            weighted = greedy.weighted is not None and probabilistic.weighted is not None
+            label = "weighted acceptance length" if weighted else "unweighted mean acceptance length"
+            g, p = f"{_mean(greedy, weighted):.3f}", f"{_mean(probabilistic, weighted):.3f}"
+            default_is_fine = ("so vLLM's default greedy drafting is fine when serving at T > 0 (no "
+                               "`draft_sample_method` to set).")
+            if float(p) > float(g):
+                lines.append(f"At {where}, probabilistic drafts measured the higher {label}: {p} against {g} with "
+                             f"greedy drafts (vLLM's default). When serving at T > 0, consider "
+                             f"`\"draft_sample_method\": \"probabilistic\"` in vLLM's speculative config "
+                             f"(`--speculative-config`).")
+            elif float(g) > float(p):
+                lines.append(f"At {where}, greedy drafts (vLLM's default) measured the higher {label}: {g} against "
+                             f"{p} with probabilistic drafts, {default_is_fine}")
+            else:
+                lines.append(f"At {where}, greedy and probabilistic drafts measured the same {label} ({g}), "
+                             f"{default_is_fine}")
+        else:
+            measured = [f"{_mean(r, r.weighted is not None):.3f}"
+                        + ("" if len(methods) == 1 else f" with {m} drafts") for m, r in methods.items()]
+            label = "weighted acceptance length" if all(r.weighted is not None for r in methods.values()) else \
+                "acceptance length"
+            lines.append(f"At {where}, only {' and '.join(methods)} drafts were measured ({label} "
+                         f"{', '.join(measured)}).")
+    return ("#### Which draft method to serve with\n\nvLLM drafts greedily unless its speculative config sets "
+            "`draft_sample_method`; when the verifier samples (T > 0) the draft method changes how many drafts are "
+            "accepted, never the output's distribution.\n\n" + "\n\n".join(lines))
+
+
 def usage_section(inputs: CardInputs) -> str:
     repo, v, block = inputs.repo_id, inputs.verifier_id, inputs.config["block_size"]
     revision = inputs.revision or "main"
+    methods = draft_method_section(inputs.results)
+    methods = f"\n\n{methods}" if methods else ""
     return f"""### vLLM
 
 vLLM (0.31 or newer) reads the verifier (`{v}`) and the number of speculative tokens ({block}) from `config.json`, so
@@ -65,7 +136,7 @@ reply = client.chat.completions.create(model="{repo}", messages=[{{"role": "user
 print(reply.choices[0].message.content)
 ```
 
-{serving_options(inputs)}
+{serving_options(inputs)}{methods}
 
 ### transformers
 

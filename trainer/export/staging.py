@@ -1,8 +1,9 @@
 """Staging: the folder an export uploads, written from one checkpoint and validated before anything leaves.
 
 `stage` writes exactly the serving contract (`trainer/contract.py`): bf16 `model.safetensors` with only the
-contract's tensors, `config.json` naming the verifier by Hub id (vLLM refuses local paths there), the two
-remote-code files, the decoding loop as `custom_generate/generate.py` (a copy of `generation_dspark.py`), the model card `README.md` (`trainer/export/card.py`), with results the per-position
+contract's tensors (its safetensors metadata records the source checkpoint's weights sha256, so results measured on
+the staged folder pair with the checkpoint: `record_source_weights`), `config.json` naming the verifier by Hub id
+(vLLM refuses local paths there), the two remote-code files, the decoding loop as `custom_generate/generate.py` (a copy of `generation_dspark.py`), the model card `README.md` (`trainer/export/card.py`), with results the per-position
 acceptance plot and, when the checkpoint records a confidence calibration, its reliability plot
 (`trainer/export/plots.py`). It then proves the folder serves: vLLM's structural config checks, the
 exact tensor set with its dtypes, finite weights equal to the checkpoint's (bf16-rounded), and a load through
@@ -16,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
+import json
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +40,13 @@ from trainer.contract import (
     weight_files,
 )
 from trainer.errors import DSparkError
-from trainer.evaluation.results import AcceptanceResults, read_results, weights_sha256
+from trainer.evaluation.results import (
+    SOURCE_WEIGHTS_KEY,
+    AcceptanceResults,
+    read_results,
+    source_weights_sha256,
+    weights_sha256,
+)
 from trainer.export.card import render_card
 from trainer.export.card_sections import CardInputs, read_calibration
 from trainer.export.plots import CALIBRATION_PLOT_FILE, PLOT_FILE, plot_acceptance, plot_reliability
@@ -91,6 +100,53 @@ def write_custom_generate(folder: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
     return target
+
+
+def record_source_weights(folder: Path, sha256: str) -> None:
+    """Record the source checkpoint's weights sha256 in the safetensors metadata of the staged weights.
+
+    Results measured on the staged folder (evaluated before the push, the documented serving workflow) record the
+    folder's own sha256, of bf16 bytes, which never equals the checkpoint's; with this record they also carry the
+    checkpoint's (`with_provenance`), so the push can pair them with the checkpoint. Metadata, because a tensor or a
+    config key that the contract does not list would be refused by vLLM and speculators, which ignore metadata
+    (transformers needs only its `format` entry, kept). `save_pretrained` writes fixed metadata, so each file is
+    written again with the tensors unchanged (`check_weights` compares them with the checkpoint afterwards)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for name in weight_files(folder):
+        path = Path(folder) / name
+        with safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        tensors = load_file(path)
+        partial = path.with_name(path.name + ".partial")
+        save_file(tensors, partial, metadata={**metadata, SOURCE_WEIGHTS_KEY: sha256})
+        _sort_metadata(partial)
+        os.replace(partial, path)
+
+
+def _sort_metadata(path: Path) -> None:
+    """Put a safetensors file's metadata keys in sorted order, in place.
+
+    safetensors writes its metadata map in a random order, so with two keys the same checkpoint would stage
+    different bytes (a different sha256 for the same weights, a new upload of an unchanged file). The header is
+    rewritten with the keys sorted: the same bytes in another order, so its length and the tensor data are untouched.
+    Only done when re-serializing the parsed header reproduces it exactly; otherwise the file is left as written
+    (valid, only its key order unfixed)."""
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(length)
+        text = raw.rstrip(b" ")  # the header is padded with spaces to an 8-byte boundary
+        header = json.loads(text)
+
+        def dump(h: dict) -> bytes:
+            return json.dumps(h, separators=(",", ":"), ensure_ascii=False).encode()
+
+        if dump(header) != text or not isinstance(header.get("__metadata__"), dict):
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        f.seek(8)
+        f.write(dump(header))
 
 
 def _versions() -> dict[str, str]:
@@ -170,6 +226,11 @@ def stage(checkpoint: Checkpoint, folder: Path, *, repo_id: str, verifier_id: st
     model.config.speculators_config["verifier"]["name_or_path"] = verifier
     model.config.verifier_local_path = None  # machine-specific; vLLM reads the Hub id above
     model.save_pretrained(folder)
+    del model
+    record_source_weights(folder, weights_sha)
+    if source_weights_sha256(folder) != weights_sha:
+        raise StagingError(f"the staged weights in {folder} do not record the checkpoint's sha256; re-run the "
+                           f"export, and report it if it persists.")
     write_custom_generate(folder)
     config = read_json(folder / "config.json")
 

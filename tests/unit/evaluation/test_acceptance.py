@@ -141,19 +141,25 @@ def test_fidelity_fields_round_trip_and_older_files_still_read(tmp_path):
     from trainer.evaluation.results import build_results
 
     stats = {name: AcceptanceStats(block_size=2) for name in ("qa", "rag")}
-    stats["qa"].add([1, 3, 2], 5, 1.0)
-    stats["qa"].add_fidelity([1, 3], differing=0)  # the last step was cut: not compared
+    stats["qa"].add([1, 3, 3], 6, 1.0)
+    stats["qa"].add_fidelity([1, 3], [1, 3])  # the last step was cut: not compared
     stats["rag"].add([2, 2], 3, 1.0)  # not checked (e.g. sampled)
-    with pytest.raises(ValueError, match="teacher-forced acceptance of 4 is outside 1..3"):
-        stats["rag"].add_fidelity([4], 0)
+    with pytest.raises(ValueError, match="a compared acceptance of 4 is outside 1..3"):
+        stats["rag"].add_fidelity([4], [2])
+    with pytest.raises(ValueError, match="2 teacher-forced values for 1 measured steps"):
+        stats["rag"].add_fidelity([2, 2], [2])
     results = build_results(stats, backend="transformers", block_size=2, sampling={"temperature": 0.0},
                             max_new_tokens=8)
     qa, rag = results["subsets"]["qa"], results["subsets"]["rag"]
     assert (qa["teacher_forced_acceptance_length"], qa["fidelity_steps"], qa["fidelity_steps_differing"]) == (2.0, 2, 0)
+    assert qa["measured_acceptance_length_compared"] == 2.0  # over the compared steps, as the teacher-forced one
+    assert qa["acceptance_length"] == pytest.approx(7 / 3)  # over every step
     assert rag["teacher_forced_acceptance_length"] is rag["fidelity_steps"] is rag["fidelity_steps_differing"] is None
+    assert rag["measured_acceptance_length_compared"] is None
     table = write_results(results, str(tmp_path / "r.json"))
-    assert "teacher_forced_acceptance_length | fidelity_steps_differing |" in table.splitlines()[0]
-    assert "| 3 | 2.000 | 0 of 2 |" in table and "| 2 | - | - |" in table  # steps, then the check
+    assert ("measured_acceptance_length_compared | teacher_forced_acceptance_length | fidelity_steps_differing |"
+            in table.splitlines()[0])
+    assert "| 3 | 2.000 | 2.000 | 0 of 2 |" in table and "| 2 | - | - | - |" in table  # steps, then the check
     assert "0 of 2 compared verification steps differ" in table
     read = {s.name: s for s in read_results(tmp_path / "r.json", block_size=2).subsets}
     assert (read["qa"].teacher_forced_acceptance_length, read["qa"].fidelity_steps,
@@ -162,11 +168,12 @@ def test_fidelity_fields_round_trip_and_older_files_still_read(tmp_path):
 
     older = json.loads((tmp_path / "r.json").read_text())
     for sub in older["subsets"].values():
-        for key in ("teacher_forced_acceptance_length", "fidelity_steps", "fidelity_steps_differing"):
+        for key in ("teacher_forced_acceptance_length", "measured_acceptance_length_compared", "fidelity_steps",
+                    "fidelity_steps_differing"):
             sub.pop(key)
     (tmp_path / "old.json").write_text(json.dumps(older))
     old = read_results(tmp_path / "old.json", block_size=2)
-    assert [s.fidelity_steps for s in old.subsets] == [None, None] and old.weighted == pytest.approx(10 / 5)
+    assert [s.fidelity_steps for s in old.subsets] == [None, None] and old.weighted == pytest.approx(11 / 5)
     assert "teacher_forced" not in format_table(older) and "Fidelity" not in format_table(older)
     older["subsets"]["qa"]["fidelity_steps_differing"] = 1.5
     (tmp_path / "bad.json").write_text(json.dumps(older))

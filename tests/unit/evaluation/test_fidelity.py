@@ -206,3 +206,46 @@ def test_fidelity_on_a_real_small_model(smollm2_dir, smollm2_tokenizer):
         if sub["fidelity_steps"] == sub["steps"]:
             assert sub["teacher_forced_acceptance_length"] == pytest.approx(sub["acceptance_length"], abs=1e-12)
     assert max(v["acceptance_length"] for v in results["subsets"].values()) > 1.5
+
+
+def test_measured_and_teacher_forced_acceptance_cover_the_same_steps(chat_verifier_dir, tmp_path):
+    """The fidelity columns compare like with like: each prompt's last step may go uncompared (its block runs past
+    the sequence), so beside the teacher-forced acceptance the results carry the measured one over exactly the
+    compared steps. With no differing step the two are equal to the last bit, in the results, the printed table
+    and the card, while `acceptance_length` stays the mean over all steps."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.evaluation.results import read_results, write_results
+    from trainer.export.card_sections import _results_section
+
+    verifier = AutoModelForCausalLM.from_pretrained(chat_verifier_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chat_verifier_dir)
+    prompts = {"qa": ["What is 2+2?", "Name a colour.", "Why is the sky blue?"],
+               "writing": ["Write a haiku about rain.", "Describe a cat in five words."]}
+    ids = chat_prompt_ids(tokenizer, [p for v in prompts.values() for p in v])
+    drafter = bigram_drafter(verifier, greedy_references(verifier, ids, 16), mask_token_id=0)
+    results = evaluate_in_process(drafter, verifier, tokenizer, prompts, max_new_tokens=16, temperature=0,
+                                  progress=False)
+    subsets = results["subsets"]
+    for name, sub in subsets.items():
+        assert sub["fidelity_steps_differing"] == 0, (name, sub)
+        assert sub["measured_acceptance_length_compared"] == sub["teacher_forced_acceptance_length"], (name, sub)
+    # some last steps went uncompared, and there the all-step mean is not the compared one: the case this is about
+    cut = [n for n, s in subsets.items() if s["fidelity_steps"] < s["steps"]]
+    assert cut and any(subsets[n]["acceptance_length"] != subsets[n]["measured_acceptance_length_compared"]
+                       for n in cut), subsets
+    assert results["weighted_acceptance_length"] == pytest.approx(
+        sum(s["acceptance_length"] * s["steps"] for s in subsets.values()) / sum(s["steps"] for s in subsets.values()))
+
+    table = write_results(results, str(tmp_path / "r.json"))
+    assert ("| measured_acceptance_length_compared | teacher_forced_acceptance_length | fidelity_steps_differing |"
+            in table.splitlines()[0])
+    read = read_results(tmp_path / "r.json", block_size=drafter.config.block_size)
+    card = _results_section(read, drafter.config.block_size)
+    assert "| subset | steps compared | measured acceptance_length | teacher-forced acceptance_length | " \
+           "steps differing |" in card
+    for s in read.subsets:
+        value = f"{s.teacher_forced_acceptance_length:.3f}"
+        assert s.measured_acceptance_length_compared == s.teacher_forced_acceptance_length
+        assert f"| {value} | {value} | 0 of {s.fidelity_steps} |" in table
+        assert f"| {s.name} | {s.fidelity_steps} of {s.steps} | {value} | {value} | 0 |" in card

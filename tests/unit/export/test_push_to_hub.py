@@ -520,6 +520,63 @@ def test_bad_results_files_are_refused(run_dir, tmp_path):
         read_results(tmp_path / "short.json", 4)
 
 
+def test_results_measured_on_the_staged_export_are_accepted_for_its_checkpoint(run_dir, chat_verifier_dir, tmp_path,
+                                                                              capsys, online):
+    """The documented serving-evaluation workflow, offline at tiny scale: stage `OUTPUT_DIR:best` with --dry-run,
+    evaluate the staged bf16 folder (the in-process evaluator here; the vLLM one writes the same provenance through
+    the same `with_provenance`), then push the *checkpoint* with those results: accepted, and the card renders them,
+    although the staged weights' sha256 is not the fp32 checkpoint's. Results measured on an export of another
+    checkpoint of the same run are still refused."""
+    from safetensors import safe_open
+
+    from trainer.contract import check_folder
+    from trainer.evaluation.in_process import main as evaluate
+    from trainer.evaluation.results import source_weights_sha256, weights_sha256, with_provenance
+
+    best = f"{run_dir}:best"
+    exported, other_export = tmp_path / "exported", tmp_path / "exported-2"
+    for checkpoint, out in ((best, exported), (f"{run_dir}:2", other_export)):
+        assert ph.main(["--checkpoint", checkpoint, "--repo-id", REPO, "--dry-run", str(out)], api=NoNetwork()) == 0
+    checkpoint = resolve_checkpoint(best).path
+    assert weights_sha256(exported) != weights_sha256(checkpoint)  # bf16 bytes: the sha alone cannot pair them
+    assert source_weights_sha256(exported) == weights_sha256(checkpoint)
+    assert source_weights_sha256(other_export) == weights_sha256(resolve_checkpoint(f"{run_dir}:2").path)
+    assert source_weights_sha256(checkpoint) is None  # a training checkpoint is nobody's export
+    check_folder(exported, check_dtype=True)  # still exactly the contract's tensors, bf16
+    with safe_open(exported / "model.safetensors", framework="pt") as f:
+        assert f.metadata()["format"] == "pt"  # what transformers' loader requires of the metadata
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "qa.jsonl").write_text(json.dumps({"prompt": "Tell me about river stone."}) + "\n")
+    results = tmp_path / "results" / "vllm-t0.json"
+    measured = evaluate(["--drafter", str(exported), "--verifier", chat_verifier_dir, "--prompts", str(prompts),
+                         "--temperature", "0", "--max-new-tokens", "8", "--out", str(results)])
+    assert measured["drafter_weights_sha256"] == weights_sha256(exported)
+    assert measured["drafter_source_weights_sha256"] == weights_sha256(checkpoint)
+    capsys.readouterr()
+
+    api = FakeApi(tmp_path)
+    rc = ph.main(args(best, "--eval-results", str(results)), api=api)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    card = ModelCard(api.uploaded["README.md"].decode())
+    qa = measured["subsets"]["qa"]
+    assert f"| qa | {qa['acceptance_length']:.3f} |" in card.text and "`vllm-t0.json`" in card.text
+    assert [e.metric_value for e in card.data.eval_results if e.dataset_config == "qa"] == \
+        [round(qa["acceptance_length"], 4)]
+
+    # The same measurement, recorded by the same writer for another checkpoint's export: refused.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(with_provenance(dict(measured), str(other_export),
+                                                measured["verifier"], str(prompts))))
+    api = FakeApi(tmp_path)
+    assert ph.main(args(best, "--eval-results", str(other)), api=api) == 2
+    assert re.search(r"other.json were measured on different drafter weights than this checkpoint's \(sha256 "
+                     r"[0-9a-f]{12}, exported from [0-9a-f]{12}, vs [0-9a-f]{12}\)", capsys.readouterr().err)
+    assert "upload_folder" not in api.names()
+
+
 # ------------------------------------------------------------------------------------------------ upload
 def test_upload_makes_exactly_one_commit_with_the_staged_files(run_dir, results_files, tmp_path, capsys, online):
     api = FakeApi(tmp_path)
