@@ -258,7 +258,12 @@ class PrepStats:
 
 def _render_batch(batch, *, tokenizer, max_seq_length: int, column: str, chat_template: str | None):
     out: dict[str, list] = {name: [] for name in _PREPARED_FEATURES}
-    for turns in batch[column]:
+    # A file may mix `messages` and ShareGPT `conversations` rows: datasets gives each row both columns, the one it
+    # lacks as None, so a row whose own column is empty is read from the other.
+    other = next((name for name in ("messages", "conversations") if name != column and name in batch), None)
+    fallback = batch[other] if other else [None] * len(batch[column])
+    for own, theirs in zip(batch[column], fallback):
+        turns = own if own is not None or theirs is None else theirs
         row = render_conversation(tokenizer, turns, max_seq_length, chat_template=chat_template)
         for name in ("input_ids", "loss_mask", "status", "error", "truncated"):
             out[name].append(row[name])

@@ -110,6 +110,16 @@ def test_sharegpt_and_messages_forms_render_identically(tokenizer):
     assert a.to_list() == b.to_list()
 
 
+def test_a_file_mixing_messages_and_sharegpt_rows_keeps_both(tokenizer, tmp_path):
+    """One JSONL may hold both forms: every row is read from its own column, none skipped as malformed."""
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"messages": MULTI_TURN}, {"conversations": as_sharegpt(MULTI_TURN)}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepared, stats = prepare_conversations(load_chat_dataset(str(path)), tokenizer, 512)
+    assert stats.kept == 2 and not stats.errors, stats.summary()
+    assert prepared[0]["input_ids"] == prepared[1]["input_ids"] and prepared[0]["loss_mask"] == prepared[1]["loss_mask"]
+
+
 def test_role_aliases():
     turns = [{"from": "human", "value": "q"}, {"from": "model", "value": "a"}, {"role": "tool", "content": "r"}]
     assert [m["role"] for m in normalize_messages(turns)] == ["user", "assistant", "tool"]
