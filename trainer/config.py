@@ -478,10 +478,14 @@ def aux_layer_ids_for_config(config, verifier_config) -> list[int]:
     """The aux ids a run extracts: `model.aux_hidden_state_layer_ids`, or the drafter's default for this verifier
     (configuration_dspark), checked against its layer count. Shared by training, the cache writer and the
     extraction server's command, so all three ask for the same layers."""
-    from configuration_dspark import check_aux_layer_ids, default_aux_layer_ids
-    from trainer.errors import UsageError
+    return aux_layer_ids_for_layers(config, verifier_config.get_text_config().num_hidden_layers)
 
-    layers = verifier_config.get_text_config().num_hidden_layers
+
+def aux_layer_ids_for_layers(config, layers: int) -> list[int]:
+    """`aux_layer_ids_for_config` from the verifier's layer count alone: the extraction server's command can then
+    be printed where the verifier's config cannot be read (offline, `vllm-server --verifier_layers`)."""
+    from configuration_dspark import check_aux_layer_ids, default_aux_layer_ids
+
     try:
         ids = config.model.aux_hidden_state_layer_ids or default_aux_layer_ids(layers)
         check_aux_layer_ids(list(ids), layers)

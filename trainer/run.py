@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import os
 import signal
@@ -342,14 +343,40 @@ def build_objective(config: RunConfig, block_size: int | None = None):
         raise UsageError(f"train: {e}") from e
 
 
+# report_to integrations whose package is not named like the integration: (the modules transformers imports for
+# it, any one of which will do; what pip installs). The others import and install under their own name.
+REPORTER_PACKAGES = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "azure_ml": (("azureml",), "azureml-core"),
+    "flyte": (("flytekit",), "flytekit"),
+}
+
+
+def check_report_to(report_to: str | None) -> None:
+    """`train.report_to` names an integration transformers knows whose package imports here. Checked before
+    anything is read or written: otherwise a missing package surfaces only once the verifier and the data are
+    loaded, as a transformers error in the middle of setting up the Trainer."""
+    import importlib.util
+
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    if report_to in (None, "", "none", "all"):  # all: whichever integrations are installed
+        return
+    if report_to not in INTEGRATION_TO_CALLBACK:
+        close = difflib.get_close_matches(report_to, list(INTEGRATION_TO_CALLBACK), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"train.report_to {report_to!r} is not a reporting integration; {hint}use none, all or one "
+                         f"of {', '.join(sorted(INTEGRATION_TO_CALLBACK))}.")
+    modules, package = REPORTER_PACKAGES.get(report_to, ((report_to,), report_to))
+    if all(importlib.util.find_spec(m) is None for m in modules):
+        extra = ' (or pip install -e ".[gpu]", which includes it)' if report_to == "tensorboard" else ""
+        raise UsageError(f"train.report_to is {report_to}, but the {package} package is not installed here; install "
+                         f"it with pip install {package}{extra}, or pass --report_to none.")
+
+
 def build_training_arguments(config: RunConfig, has_validation: bool) -> TrainingArguments:
     t = config.train
-    if t.report_to == "tensorboard":
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-            raise UsageError("train.report_to is tensorboard but the tensorboard package is not installed; "
-                             "pip install tensorboard or pass --report_to none.")
+    check_report_to(t.report_to)
     use_cpu = t.use_cpu or not torch.cuda.is_available()
     bf16 = (not use_cpu and torch.cuda.is_bf16_supported()) if t.bf16 == "auto" else str(t.bf16).lower() == "true"
     return TrainingArguments(
@@ -400,9 +427,8 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
         raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "
                          f"'latest' or a checkpoint-N directory of this run.")
     for source in (d.train_data if isinstance(d.train_data, list) else [d.train_data]):
-        if is_local(source) and not os.path.exists(source):
-            raise UsageError(f"data.train_data {source} does not exist (and it is not a Hub dataset id); check the "
-                             f"path.")
+        check_local_data(source, m.verifier)
+    check_report_to(t.report_to)
     if m.init_from:
         resolve_pretrained(m.init_from, "init_from drafter", trust_remote_code=True)
         adopt_init_from(config)
@@ -424,6 +450,23 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
             raise UsageError(f"model.mask_token_id {m.mask_token_id} is outside the verifier's vocabulary of {vocab} "
                              f"tokens; use an id in 0..{vocab - 1} or leave it unset.")
     return verifier_path
+
+
+def check_local_data(source: str, verifier: str) -> None:
+    """A training data path that should exist here but does not, in one sentence with the command that creates
+    it. Besides a path that can only be local, this covers one shaped like a Hub id (`data/open-perfectblend-...`)
+    whose first directory exists here: the recipe's own data path, which `python -m trainer regenerate` writes.
+    Without this it would be sent to the Hub and fail much later (or, offline, be reported as something else)."""
+    if os.path.exists(os.path.expanduser(source)):
+        return
+    top = source.split("/", 1)[0]
+    if not (is_local(source) or (top not in ("", ".", "..") and os.path.isdir(top))):
+        return  # a Hub dataset id
+    out = source if source.lower().endswith((".jsonl", ".json")) else os.path.join(source, "train.jsonl")
+    raise UsageError(f"data.train_data {source} does not exist; create it with `python -m trainer regenerate "
+                     f"--verifier {verifier} --prompts PROMPTS --out {out}` (PROMPTS: the prompts' JSONL or Hub "
+                     f"dataset, e.g. mlabonne/open-perfectblend for the seed recipe), or pass --train_data with an "
+                     f"existing chat dataset.")
 
 
 def adopt_init_from(config: RunConfig) -> None:

@@ -3,6 +3,13 @@ tests) starting, waiting for and stopping it.
 
     python -m trainer vllm-server --config configs/gemma-4-E4B-it.yaml --states_dir /shared/hs     # print it
     python -m trainer vllm-server --config configs/smollm2-135m.yaml --device cpu --start           # run it here
+    python -m trainer vllm-server --config configs/smollm2-135m.yaml --device cpu --states_dir out/hidden-states \
+        --python .venv-vllm/bin/python --start --detach      # in the background; returns once it is ready
+
+`--detach` is for scripts: the command returns (exit 0, printing the URL, PID and log) only when the server
+answers `/health`, so the trainer started next finds it up; a server that fails to start is stopped and the
+command exits 1 naming its log. Printing needs the verifier's layer count, read from its config;
+`--verifier_layers N` gives it instead where that config cannot be read (offline).
 
 The server runs the verifier with vLLM's `extract_hidden_states` speculative method: every request's prompt
 goes through one prefill, and the states of the run's aux layers plus the last layer (id L, the pre-norm
@@ -21,6 +28,7 @@ generated token.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
@@ -33,10 +41,13 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from trainer import REPO_ROOT
+from trainer.errors import UsageError
 
+logger = logging.getLogger("dspark")
 ROOT = str(REPO_ROOT)  # on the server's PYTHONPATH, so vLLM can import the CPU connector
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "trainer.serving.cpu_connector")
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+READY_TIMEOUT = 600.0  # seconds `--start --detach` waits for a server to load (Gemma on a GPU: minutes)
 LAYERS_TAG = "dspark-hidden-states-"  # + the extracted ids: a second served name that says which layers
 
 
@@ -125,24 +136,62 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
 
-def spec_for_config(config, states_dir: str, device: str = "gpu", port: int = 8000, host: str = "127.0.0.1",
-                    **kwargs) -> ServerSpec:
-    """The server for a run config: its verifier, aux ids (or the default ones) plus the last layer, dtype
-    (`model.verifier_dtype`; auto is bf16 on GPU, fp32 on CPU) and the longest document + 1 token."""
-    from trainer.config import aux_layer_ids_for_config
-    from trainer.errors import UsageError
-    from trainer.verifier.loading import resolve_pretrained
+class UnreadableVerifier(UsageError):
+    """The verifier's config could not be read (a missing directory, offline, no access to the Hub): the one thing
+    the server's command needs from it is its layer count, which `--verifier_layers` can give instead."""
 
-    m = config.model
-    path, vconfig = resolve_pretrained(m.verifier, "verifier")
-    layers = vconfig.get_text_config().num_hidden_layers
-    ids = aux_layer_ids_for_config(config, vconfig)
-    dtype = m.verifier_dtype if m.verifier_dtype != "auto" else ("bfloat16" if device == "gpu" else "float32")
+
+def spec_for_config(config, states_dir: str, device: str = "gpu", port: int = 8000, host: str = "127.0.0.1",
+                    verifier_layers: int | None = None, **kwargs) -> ServerSpec:
+    """The server for a run config: its verifier, aux ids (or the default ones) plus the last layer, dtype
+    (`model.verifier_dtype`; auto is bf16 on GPU, fp32 on CPU) and the longest document + 1 token.
+
+    The verifier's config is read only for its layer count; `verifier_layers` gives that count instead, so the
+    command can be printed where the config cannot be read (offline, before the verifier is downloaded). A wrong
+    count is caught where it matters: the trainer's check of the server compares the served layer ids with the
+    verifier's own."""
+    from trainer.config import aux_layer_ids_for_layers
+    from trainer.verifier.loading import resolve_pretrained
+    from trainer.verifier.small_models import resolve_model
+
     if device not in ("gpu", "cpu"):
         raise UsageError(f"--device must be gpu or cpu (got {device!r}).")
+    m = config.model
+    if verifier_layers is None:
+        try:
+            path, vconfig = resolve_pretrained(m.verifier, "verifier")
+        except UsageError as e:
+            raise UnreadableVerifier(str(e)) from e
+        layers = vconfig.get_text_config().num_hidden_layers
+    else:
+        try:
+            path = resolve_model(m.verifier)
+        except RuntimeError as e:
+            raise UsageError(str(e)) from e
+        layers = verifier_layers
+    ids = aux_layer_ids_for_layers(config, layers)
+    dtype = m.verifier_dtype if m.verifier_dtype != "auto" else ("bfloat16" if device == "gpu" else "float32")
     return ServerSpec(verifier=path, served_name=m.verifier, layer_ids=ids + [layers], states_dir=states_dir,
                       max_model_len=config.data.max_seq_length + 1, dtype=dtype, device=device, host=host, port=port,
                       **kwargs)
+
+
+def server_command(config, states_dir: str, *, device: str = "gpu", python: str | None = None,
+                   verifier_layers: int | None = None, **kwargs) -> str:
+    """The exact shell line `python -m trainer vllm-server` prints for a run config (`RunConfig` or a YAML path),
+    environment assignments and shell quoting included, so it pastes as is. With `verifier_layers` it needs
+    neither the verifier's config nor a network, so documentation tests can compare it with what the docs show:
+
+        server_command("configs/gemma-4-E4B-it.yaml", "/dev/shm/hs", data_parallel_size=4, verifier_layers=42)
+
+    `kwargs` are the other `ServerSpec` fields the command line exposes (port, host, tensor_parallel_size,
+    data_parallel_size)."""
+    if isinstance(config, (str, os.PathLike)):
+        from trainer.config import RunConfig
+
+        config = RunConfig.load(os.fspath(config))
+    spec = spec_for_config(config, states_dir, device=device, verifier_layers=verifier_layers, **kwargs)
+    return spec.shell(python)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -156,8 +205,8 @@ class ServerProcess:
     """A vLLM server started here in its own process group (so its engine processes stop with it), logging to
     a file, with a bounded wait for readiness and a stop that escalates from SIGTERM to SIGKILL."""
 
-    def __init__(self, spec: ServerSpec, python: str, log_path: str):
-        self.spec, self.python, self.log_path = spec, python, log_path
+    def __init__(self, spec: ServerSpec, python: str, log_path: str, cwd: str = ROOT):
+        self.spec, self.python, self.log_path, self.cwd = spec, python, log_path, cwd
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
@@ -165,7 +214,7 @@ class ServerProcess:
             os.makedirs(self.spec.states_dir, exist_ok=True)
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.spec.argv(self.python), env={**os.environ, **self.spec.env()},
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd)
         log.close()
         return self
 
@@ -195,6 +244,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()  # engine processes it may have left behind
                 raise VLLMServerError(f"the vLLM server on port {self.spec.port} exited with status "
                                       f"{self.process.returncode} before it was ready (last error: "
                                       f"{self.last_error() or 'none logged'}); its log is {self.log_path}.")
@@ -210,7 +260,15 @@ class ServerProcess:
                               f"{self.last_error() or 'none logged'}); it was stopped, and its log is {self.log_path}.")
 
     def stop(self, grace: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Stop the server's process group: SIGTERM, then SIGKILL after `grace` seconds. When the server itself
+        has already exited, engine processes it left behind in its group are killed (they hold the memory)."""
+        if self.process is None:
+            return
+        if self.process.poll() is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
             try:
@@ -230,9 +288,44 @@ class ServerProcess:
         self.stop()
 
 
+def check_program(program: str, device: str) -> None:
+    """The server's program must exist before it is started: a missing vLLM environment is the usual slip, and
+    an exec or a Popen of it would fail with a traceback."""
+    import shutil
+
+    if shutil.which(program) is not None:
+        return
+    if device == "gpu":
+        raise UsageError(f"{program} is not on PATH, so the vLLM server cannot start here; install vLLM "
+                         f"(pip install -e \".[vllm]\") or activate the environment that has it.")
+    raise UsageError(f"--python {program} is not an executable python, so the vLLM server cannot start here; create "
+                     f"the vLLM environment (make vllm-env creates .venv-vllm) or pass its python.")
+
+
+def default_log_path(states_dir: str, port: int) -> str:
+    """Where `--start --detach` logs by default: next to the states directory (not inside it, which holds only
+    the connector's files), one file per port."""
+    return os.path.join(os.path.dirname(os.path.normpath(states_dir)), f"vllm-server-{port}.log")
+
+
+def start_detached(spec: ServerSpec, python: str, log_path: str, timeout: float) -> ServerProcess:
+    """Start the server in the background (its own session, so it outlives this command), wait until `/health`
+    answers, and return it running. A start that fails (the server exits, or is not ready in `timeout` seconds)
+    stops it with its engine processes and raises one sentence naming the log. This is what lets a script start
+    a server and then the trainer without a race: the trainer's check of the URL runs only once it is ready."""
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    server = ServerProcess(spec, python, log_path, cwd=os.getcwd()).start()
+    try:
+        server.wait_ready(timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 def main(argv: list[str]) -> None:
     from trainer.config import RunConfig
-    from trainer.errors import Parser, UsageError
+    from trainer.errors import Parser
 
     parser = Parser(prog="python -m trainer vllm-server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the run config (its verifier, aux ids, dtype, lengths)")
@@ -243,22 +336,59 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tensor_parallel_size", type=int, default=1)
     parser.add_argument("--data_parallel_size", type=int, default=1)
-    parser.add_argument("--python", default=None, help="the vLLM environment's python (CPU form; default: this one)")
+    parser.add_argument("--python", default=None,
+                        help="the vLLM environment's python for the CPU form (printed: `python`; --start: this one)")
+    parser.add_argument("--verifier_layers", type=int, default=None,
+                        help="the verifier's num_hidden_layers: build the command without reading its config "
+                             "(offline, before it is downloaded)")
     parser.add_argument("--start", action="store_true", help="run the server here (foreground) instead of printing it")
+    parser.add_argument("--detach", action="store_true",
+                        help="with --start (implied): run it in the background, wait until it is ready, print its URL, "
+                             "PID and log, and exit 0 leaving it running (for scripts that start the trainer next)")
+    parser.add_argument("--log", default=None,
+                        help="--detach: the server's log file (default: vllm-server-<port>.log next to --states_dir)")
+    parser.add_argument("--ready_timeout", type=float, default=None,
+                        help=f"--detach: seconds to wait for the server to be ready before stopping it (default "
+                             f"{READY_TIMEOUT:g})")
     args, overrides = parser.parse_known_args(argv)
+    if (args.log is not None or args.ready_timeout is not None) and not args.detach:
+        raise UsageError("--log and --ready_timeout apply to a detached server; add --start --detach, or drop them.")
+    ready_timeout = READY_TIMEOUT if args.ready_timeout is None else args.ready_timeout
+    if not ready_timeout > 0:
+        raise UsageError(f"--ready_timeout is {ready_timeout:g}, but it must be > 0 seconds; pass the time the server "
+                         f"may take to load ({READY_TIMEOUT:g} by default).")
     config = RunConfig.load(args.config, overrides)
     states_dir = args.states_dir or config.train.vllm_states_dir
     if not states_dir:
         raise UsageError("no hidden-states directory; pass --states_dir (a directory both the server and the trainer "
                          "see) or set train.vllm_states_dir.")
-    spec = spec_for_config(config, states_dir, device=args.device, port=args.port, host=args.host,
-                           tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
-    if not args.start:
+    try:
+        spec = spec_for_config(config, states_dir, device=args.device, port=args.port, host=args.host,
+                               verifier_layers=args.verifier_layers, tensor_parallel_size=args.tensor_parallel_size,
+                               data_parallel_size=args.data_parallel_size)
+    except UnreadableVerifier as e:
+        from configuration_dspark import is_hub_id
+
+        verifier = config.model.verifier
+        if os.path.exists(verifier) or not is_hub_id(verifier):
+            raise
+        # A Hub verifier whose config could not be read (offline, no access): the command needs only its layer count.
+        raise UsageError(f"{str(e).rstrip('.')}; or, to only print the command, pass --verifier_layers with the "
+                         f"verifier's num_hidden_layers.") from e
+    if not (args.start or args.detach):
         print(spec.shell(args.python))
         return
+    python = args.python or sys.executable
+    check_program(spec.argv(python)[0], args.device)
+    if args.detach:
+        log_path = args.log or default_log_path(states_dir, args.port)
+        logger.info("starting the vLLM server on %s; waiting up to %g s for it to be ready (log %s)", spec.url,
+                    ready_timeout, log_path)
+        pid = start_detached(spec, python, log_path, ready_timeout).process.pid
+        print(f"vLLM server ready at {spec.url} (pid {pid}, log {log_path}); stop it with: kill -TERM -- -{pid}")
+        return
     os.makedirs(spec.states_dir, exist_ok=True)
-    os.execvpe(spec.argv(args.python or sys.executable)[0], spec.argv(args.python or sys.executable),
-               {**os.environ, **spec.env()})
+    os.execvpe(spec.argv(python)[0], spec.argv(python), {**os.environ, **spec.env()})
 
 
 if __name__ == "__main__":
