@@ -127,7 +127,7 @@ def test_own_data_regenerate_train_evaluate_publish(smollm2_dir, tmp_path):
     assert stats["validation_conversations"] >= 1
 
     # 3. Measure it on the held-out prompts by speculating at T = 0.
-    run("-m", "trainer", "evaluate", "--drafter", best, "--prompts", heldout, "--temperature", "0",
+    run("-m", "trainer", "evaluate", "--drafter", f"{out}:best", "--prompts", heldout, "--temperature", "0",
         "--max-new-tokens", "24", "--out", results_file)
     results = json.loads(results_file.read_text())
     assert results["schema"] == "dspark-acceptance/1" and results["block_size"] == BLOCK

@@ -250,9 +250,21 @@ def evaluate_in_process(
                          max_new_tokens=max_new_tokens, concurrency=1, draft_method=draft_method)
 
 
+def run_selection(drafter: str) -> str:
+    """`OUTPUT_DIR:best|latest|final|<step>` -> that checkpoint's directory, as push_to_hub.py reads it (so one
+    spelling names the same weights in both commands); anything else is returned unchanged."""
+    from trainer.train.checkpoints import resolve_checkpoint
+
+    head, sep, _ = drafter.rpartition(":")
+    if sep and head and os.path.isdir(head) and not os.path.exists(drafter):
+        return str(resolve_checkpoint(drafter).path)
+    return drafter
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory or Hub id")
+    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory, a run's OUTPUT_DIR:best|latest|"
+                        "final|<step> (as push_to_hub.py reads it), or a Hub id")
     parser.add_argument("--verifier", default=None,
                         help="verifier Hub id or directory (default: the one named in the drafter's config)")
     parser.add_argument("--prompts", default="RedHatAI/speculator_benchmarks",
@@ -294,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trainer.verifier.loading import load_verifier, resolve_pretrained
 
     # Everything that can be refused is refused before either model's weights are loaded.
+    args.drafter = run_selection(args.drafter)
     drafter_path, _ = resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)
     dconfig = DSparkConfig.from_pretrained(drafter_path)
     verifier_name = args.verifier or dconfig.verifier_local_path or dconfig.verifier_name_or_path

@@ -13,7 +13,9 @@ from trainer.files import is_local
 
 # ------------------------------------------------------------------------------------------ prompt sets
 def load_prompt_sets(source: str, subsets: list[str] | None = None, limit: int | None = None) -> dict[str, list[str]]:
-    """`{subset: [prompt, ...]}` from a local directory of `<subset>.jsonl` files or a Hub dataset id.
+    """`{subset: [prompt, ...]}` from a local directory of `<subset>.jsonl` files or a Hub dataset id. Without
+    `subsets`, a directory's every `<name>.jsonl` is a subset (the benchmark's nine in their order, then the rest);
+    a Hub dataset is read for the benchmark's nine.
 
     Every problem is one sentence naming the file (and line): a missing directory, a directory without any
     subset file, a line that is not JSON or has no string `prompt`, a subset file without prompts."""
@@ -23,6 +25,9 @@ def load_prompt_sets(source: str, subsets: list[str] | None = None, limit: int |
         if not os.path.isdir(source):
             raise UsageError(f"prompt directory {source} does not exist or is not a directory; pass a directory of "
                              f"<subset>.jsonl files (one `prompt` per line) or a Hub dataset id.")
+        if not subsets:  # a user's own subsets count too: every <name>.jsonl of the directory, known names first
+            names += sorted(f[: -len(".jsonl")] for f in os.listdir(source)
+                            if f.endswith(".jsonl") and f[: -len(".jsonl")] not in SUBSETS)
         for name in names:
             path = os.path.join(source, f"{name}.jsonl")
             if not os.path.exists(path):

@@ -99,6 +99,11 @@ def test_prompt_sets_in_the_benchmark_layout(tmp_path):
     assert sets == {"qa": ["a?", "b?"], "writing": ["w"]}
     with pytest.raises(UsageError, match="rag.jsonl does not exist"):
         load_prompt_sets(str(tmp_path), ["rag"])
+    # a user's own subset is read too, after the benchmark's, unless --subsets names others
+    (tmp_path / "support.jsonl").write_text(json.dumps({"prompt": "s?"}) + "\n")
+    sets = load_prompt_sets(str(tmp_path))
+    assert list(sets) == ["writing", "qa", "support"] and sets["support"] == ["s?"]
+    assert list(load_prompt_sets(str(tmp_path), ["qa"])) == ["qa"]
 
 
 def test_bundled_heldout_set_has_the_nine_subsets():
@@ -288,3 +293,17 @@ def test_cli_draft_method_at_temperature_1(chat_verifier_dir, tmp_path, monkeypa
     assert greedy["draft_method"] == "greedy"
     with pytest.raises(UsageError, match="argument --draft-method: invalid choice: 'sampled'"):
         main([*common, "--draft-method", "sampled", "--out", str(tmp_path / "x.json")])
+
+
+def test_evaluate_reads_a_run_selector_as_push_to_hub_does(tmp_path):
+    """`--drafter OUT:best` names what `push_to_hub.py --checkpoint OUT:best` names; other values pass through."""
+    from trainer.evaluation.in_process import run_selection
+    from trainer.train.checkpoints import CheckpointError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(CheckpointError, match="has no checkpoint-best"):
+        run_selection(f"{run}:best")
+    assert run_selection(str(run)) == str(run)
+    assert run_selection("me/my-drafter") == "me/my-drafter"
+    assert run_selection(f"{tmp_path}/missing:best") == f"{tmp_path}/missing:best"  # resolve_pretrained refuses it
