@@ -5,9 +5,9 @@ A block is a fenced `bash` block. Its lines are joined at backslash continuation
 into commands at `&&`, `||`, `;`, `|` and `&`. Each command is checked by what it runs:
 
     make TARGET [VAR=value]               the target exists in the Makefile, each VAR is one it reads
-    python -m trainer CMD ...             CMD is a command of the table; every --flag is one its --help lists
+    python -m trainer CMD ...             CMD is a command of the table; every --flag is one its parser declares
     python -m benchmarks.X / push_to_hub.py / scripts/X.py
-                                          the module or script exists; every --flag is one its --help lists
+                                          the module or script exists; every --flag is one its parser declares
     [accelerate launch ...] trainer/run.py --config C --key value
                                           C exists; the overrides parse as run-config keys (RunConfig.load)
     python -m trainer vllm-server ... # prints the command below
@@ -18,21 +18,24 @@ into commands at `&&`, `||`, `;`, `|` and `&`. Each command is checked by what i
 A program the table does not know fails the test, so a new kind of command is checked rather than skipped.
 Fenced `python` blocks must parse, and every name they import from this package must exist.
 
-Help texts are read in process (argparse prints them and exits), so the whole check takes seconds.
+The flags are read from each command's own argparse parser, in process (the command is stopped as it starts to
+parse), so the whole check takes seconds.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import configparser
 import contextlib
 import importlib
 import io
 import re
+import runpy
 import shlex
-import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -130,44 +133,53 @@ def all_commands() -> list[tuple[str, list[str], str, str]]:
 
 
 # ------------------------------------------------------------------------------------------------ the code's side
-_HELP: dict[tuple[str, ...], str] = {}
+class _Parsed(BaseException):
+    """Raised from inside argparse to stop a command right after its parser is built (BaseException: the
+    commands' error path catches Exception)."""
 
 
-def help_text(target: tuple[str, ...]) -> str:
-    """The --help output of a command, read in process: `("trainer", CMD)`, `("module", NAME)` or
-    `("script", PATH)`."""
-    if target in _HELP:
-        return _HELP[target]
+_OPTIONS: dict[tuple[str, str], set[str]] = {}
+
+
+def parser_options(target: tuple[str, str]) -> set[str]:
+    """The option strings a command's argparse parser declares, read from the parser itself (not from its help
+    text, whose prose may mention a flag that no longer exists). `target` is `("trainer", CMD)`, `("module",
+    NAME)` or `("script", PATH)`; the command runs in process until it parses its arguments."""
+    if target in _OPTIONS:
+        return _OPTIONS[target]
+    found: list[set[str]] = []
+
+    def capture(parser, args=None, namespace=None):
+        found.append(set(parser._option_string_actions))
+        raise _Parsed
+
     kind, name = target
-    argv = ["--help"]
-    if kind == "trainer":
-        from trainer.__main__ import COMMANDS
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture), \
+            mock.patch.object(sys, "argv", [name]):
+        try:
+            if kind == "trainer":
+                from trainer.__main__ import COMMANDS
 
-        command = COMMANDS[name]
-        function = getattr(importlib.import_module(command.module), command.function)
-    elif kind == "module":
-        function = importlib.import_module(name).main
-    else:  # a script: its own process, as a user runs it (scripts edit sys.path for themselves)
-        proc = subprocess.run([sys.executable, str(ROOT / name), "--help"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, f"{name} --help failed: {proc.stderr[-2000:]}"
-        _HELP[target] = proc.stdout
-        return proc.stdout
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer), pytest.raises(SystemExit) as exited:
-        function(argv)
-    assert exited.value.code in (0, None), f"{target} --help exited with {exited.value.code}"
-    _HELP[target] = buffer.getvalue()
-    return _HELP[target]
+                command = COMMANDS[name]
+                getattr(importlib.import_module(command.module), command.function)([])
+            elif kind == "module":
+                importlib.import_module(name).main([])
+            else:  # a script, as `python SCRIPT` runs it
+                runpy.run_path(str(ROOT / name), run_name="__main__")
+        except _Parsed:
+            pass
+    assert found, f"{target} never parsed its arguments with argparse"
+    _OPTIONS[target] = found[0]
+    return found[0]
 
 
 def flags(tokens: list[str]) -> list[str]:
     return [t.split("=", 1)[0] for t in tokens if t.startswith("--") and len(t) > 2]
 
 
-def unknown_flags(tokens: list[str], text: str) -> list[str]:
-    """Flags of `tokens` that the help text does not list (either spelling: the parsers accept both)."""
-    listed = {f.replace("_", "-") for f in re.findall(r"--[\w-]+", text)}
+def unknown_flags(tokens: list[str], options: set[str]) -> list[str]:
+    """Flags of `tokens` that the parser does not declare (either spelling: the parsers accept both)."""
+    listed = {f.replace("_", "-") for f in options}
     return [f for f in flags(tokens) if f.replace("_", "-") not in listed and f != "--help"]
 
 
@@ -254,13 +266,13 @@ def check(tokens: list[str]) -> None:
             if name == "train":
                 check_run_py(["trainer/run.py", *args[3:]])
                 return
-            bad = unknown_flags(args[3:], help_text(("trainer", name)))
+            bad = unknown_flags(args[3:], parser_options(("trainer", name)))
             assert not bad, f"python -m trainer {name} has no flag {bad}"
             return
         if args[0] == "-m":
             module = args[1]
             assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), f"no module {module} in the repository"
-            bad = unknown_flags(args[2:], help_text(("module", module)))
+            bad = unknown_flags(args[2:], parser_options(("module", module)))
             assert not bad, f"python -m {module} has no flag {bad}"
             return
         script = args[0]
@@ -268,7 +280,7 @@ def check(tokens: list[str]) -> None:
         if script == "trainer/run.py":
             check_run_py(args)
             return
-        bad = unknown_flags(args[1:], help_text(("script", script)))
+        bad = unknown_flags(args[1:], parser_options(("script", script)))
         assert not bad, f"{script} has no flag {bad}"
         return
     raise AssertionError(f"the docs run {program!r}, which this test does not know how to check; teach it "
@@ -289,6 +301,30 @@ def test_the_docs_have_commands_to_check():
 @pytest.mark.parametrize("where,tokens", [(w, t) for w, t, *_ in COMMANDS], ids=lambda x: x if isinstance(x, str) else None)
 def test_documented_command_matches_the_code(where, tokens):
     check(list(tokens))
+
+
+PRINTING = [(f"{path.relative_to(ROOT)}:{line}", cmds[i][0], cmds[i + 1][0])
+            for path in DOC_FILES for line, block in bash_blocks(path)
+            for cmds in [commands(block)] for i in range(len(cmds) - 1) if "prints the command below" in cmds[i][1]]
+
+
+def test_printed_commands_are_shown_as_printed():
+    """A block that says a command "prints the command below" shows exactly what it prints: the vLLM extraction
+    server's command (both served names, the layer ids, the connector) is copied from the docs, so it must be the
+    one the code gives."""
+    assert PRINTING, "the docs show no printed command any more; drop this test or restore the example"
+    for where, printer, shown in PRINTING:
+        args = printer[1:]
+        assert args[:2] == ["-m", "trainer"], f"{where}: only `python -m trainer` commands are run here"
+        from trainer.__main__ import COMMANDS
+
+        command = COMMANDS[args[2]]
+        function = getattr(importlib.import_module(command.module), command.function)
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            function(args[3:])
+        printed = shlex.split(buffer.getvalue())
+        assert printed == shown, f"{where}: the docs show\n{shlex.join(shown)}\nbut the command prints\n{shlex.join(printed)}"
 
 
 @pytest.mark.parametrize("path,line,source", [(str(p.relative_to(ROOT)), n, s) for p in DOC_FILES
@@ -330,3 +366,29 @@ def test_the_checker_catches_a_renamed_flag_or_module(bad, why):
     (tokens, _), = commands(bad)
     with pytest.raises(Exception, match=why):
         check(tokens)
+
+
+def test_every_relative_link_resolves():
+    """A moved page or file breaks its links: each relative Markdown link must name an existing file."""
+    broken = []
+    for path in DOC_FILES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+://", target) or target.startswith("#"):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = path.parent / file if file else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)} -> {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+                broken.append(f"{path.relative_to(ROOT)} -> {target} (no such heading)")
+    assert not broken, broken
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as dashes."""
+    anchors = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
