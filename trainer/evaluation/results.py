@@ -15,7 +15,7 @@ backend in trainer/evaluation/in_process.py; a vLLM server backend writes the sa
     max_new_tokens, concurrency
     subsets.<name>                acceptance_length (1.0 .. B+1), pos [B] (pos[k]: share of steps accepting
                                   >= k+1 drafts), steps, prompts, generated_tokens, and with throughput
-                                  tokens_per_s, baseline_tokens_per_s, speedup (same prompts on both sides)
+                                  tokens_per_s, paired_tokens_per_s, baseline_tokens_per_s, speedup (paired / baseline: the same prompts)
                                   fidelity check (greedy only; null when not run, e.g. at T > 0):
                                   teacher_forced_acceptance_length (mean over the compared steps of the
                                   acceptance the drafter's training forward predicts on the generated
@@ -159,8 +159,9 @@ def reduce(stats: dict[str, AcceptanceStats], block_size: int) -> dict:
             out["tokens_per_s"] = s.generated_tokens / s.seconds
         if s.baseline_seconds:
             out["baseline_tokens_per_s"] = s.baseline_tokens / s.baseline_seconds
-            if s.paired_seconds:  # same prompts for both sides of the ratio
-                out["speedup"] = (s.paired_tokens / s.paired_seconds) / out["baseline_tokens_per_s"]
+            if s.paired_seconds:  # same prompts for both sides of the ratio, both recorded so the ratio reads off
+                out["paired_tokens_per_s"] = s.paired_tokens / s.paired_seconds
+                out["speedup"] = out["paired_tokens_per_s"] / out["baseline_tokens_per_s"]
         subsets[name] = out
     return {"subsets": subsets, **{k: v for k, v in reduced.items() if k != "subsets"}}
 
@@ -260,7 +261,9 @@ def format_table(results: dict) -> str:
     has_speed = any("tokens_per_s" in v for v in results["subsets"].values())
     has_baseline = any("baseline_tokens_per_s" in v for v in results["subsets"].values())
     if has_speed:
-        head += " tokens/s |" + (" baseline tokens/s | speedup |" if has_baseline else "")
+        # tokens/s is over every prompt; the speedup is over the prompts the baseline was timed on, so the table
+        # shows the drafter's tokens/s on those same prompts beside the baseline's: speedup = their ratio.
+        head += " tokens/s |" + (" tokens/s, baseline's prompts | baseline tokens/s | speedup |" if has_baseline else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, v in ordered(results["subsets"]):
         if not v.get("steps"):
@@ -275,7 +278,9 @@ def format_table(results: dict) -> str:
         if has_speed:
             row += f" {v['tokens_per_s']:.1f} |" if "tokens_per_s" in v else " - |"
             if has_baseline:
-                row += (f" {v['baseline_tokens_per_s']:.1f} | {v['speedup']:.2f}x |" if "speedup" in v else " - | - |")
+                paired = f" {v['paired_tokens_per_s']:.1f} |" if v.get("paired_tokens_per_s") is not None else " - |"
+                row += (paired + f" {v['baseline_tokens_per_s']:.1f} | {v['speedup']:.2f}x |" if "speedup" in v
+                        else " - | - | - |")
         lines.append(row)
     w, u = results.get("weighted_acceptance_length"), results.get("unweighted_acceptance_length")
     if w is not None:
@@ -315,6 +320,7 @@ class SubsetResult:
     generated_tokens: int | None = None
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
+    paired_tokens_per_s: float | None = None  # the drafter's tokens/s on the prompts the baseline was timed on
     speedup: float | None = None
     teacher_forced_acceptance_length: float | None = None  # fidelity check; None when not run or not recorded
     measured_acceptance_length_compared: float | None = None  # the measured one over the same steps (newer files)
@@ -475,6 +481,7 @@ def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | No
             generated_tokens=_number(entry.get("generated_tokens"), w + "generated_tokens", path, integer=True),
             tokens_per_s=_number(entry.get("tokens_per_s"), w + "tokens_per_s", path),
             baseline_tokens_per_s=_number(entry.get("baseline_tokens_per_s"), w + "baseline_tokens_per_s", path),
+            paired_tokens_per_s=_number(entry.get("paired_tokens_per_s"), w + "paired_tokens_per_s", path),
             speedup=_number(entry.get("speedup"), w + "speedup", path),
             teacher_forced_acceptance_length=_number(entry.get("teacher_forced_acceptance_length"),
                                                      w + "teacher_forced_acceptance_length", path),

@@ -364,7 +364,9 @@ def _throughput(r: AcceptanceResults) -> str:
             if isinstance(tps, (int, float)) and base:
                 ratios[name].append(tps / base)
         speed = _speedup(s)
-        row += [f"{s.tokens_per_s:.1f}", f"{speed:.2f}×" if speed is not None else "–"]
+        # on the baseline's prompts when it was timed on fewer, so the speedup is the ratio of the row's numbers
+        tps = s.paired_tokens_per_s if s.paired_tokens_per_s is not None else s.tokens_per_s
+        row += [f"{tps:.1f}", f"{speed:.2f}×" if speed is not None else "–"]
         if speed is not None:
             ratios["this"].append(speed)
         rows.append(row)

@@ -133,6 +133,12 @@ def test_in_process_backend_writes_the_shared_schema(chat_verifier_dir, tmp_path
                                 throughput=True, throughput_prompts=1, progress=False)
     # the baseline is timed on the first prompt of each subset only, and the speedup uses those same prompts
     assert "speedup" in again["subsets"]["qa"] and again["subsets"]["qa"]["tokens_per_s"] > 0
+    for sub in again["subsets"].values():  # the speedup is the ratio of the two numbers the table shows for it
+        assert sub["speedup"] == pytest.approx(sub["paired_tokens_per_s"] / sub["baseline_tokens_per_s"])
+    row = next(line for line in format_table(again).splitlines() if line.startswith("| qa |"))
+    paired, base, speedup = (c.strip() for c in row.strip("|").split("|")[-3:])
+    assert "tokens/s, baseline's prompts" in format_table(again)
+    assert float(speedup.rstrip("x")) == pytest.approx(float(paired) / float(base), abs=0.01 + 0.06 * float(paired) / float(base))
     assert again["subsets"]["qa"]["acceptance_length"] == results["subsets"]["qa"]["acceptance_length"]
     table = write_results({**results, "drafter": "d", "verifier": "v"}, str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text())["subsets"]["qa"]["steps"] == results["subsets"]["qa"]["steps"]
