@@ -51,12 +51,12 @@ SHELL_WORDS = {"until", "do", "done", "then", "fi", "while"}
 
 
 # ------------------------------------------------------------------------------------------------ extraction
-def bash_blocks(path: Path) -> list[tuple[int, str]]:
-    """`(first line number, text)` of every fenced bash/sh/shell block in `path`."""
+def fenced_blocks(path: Path, languages: tuple[str, ...]) -> list[tuple[int, str]]:
+    """`(first line number, text)` of every fenced block in `path` whose language is one of `languages`."""
     blocks, inside, start, lines = [], False, 0, []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         fence = line.strip()
-        if not inside and re.fullmatch(r"```(bash|sh|shell)", fence):
+        if not inside and fence.startswith("```") and fence[3:] in languages:
             inside, start, lines = True, number + 1, []
         elif inside and fence == "```":
             blocks.append((start, "\n".join(lines)))
@@ -64,20 +64,14 @@ def bash_blocks(path: Path) -> list[tuple[int, str]]:
         elif inside:
             lines.append(line)
     return blocks
+
+
+def bash_blocks(path: Path) -> list[tuple[int, str]]:
+    return fenced_blocks(path, ("bash", "sh", "shell"))
 
 
 def python_blocks(path: Path) -> list[tuple[int, str]]:
-    blocks, inside, start, lines = [], False, 0, []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        fence = line.strip()
-        if not inside and fence == "```python":
-            inside, start, lines = True, number + 1, []
-        elif inside and fence == "```":
-            blocks.append((start, "\n".join(lines)))
-            inside = False
-        elif inside:
-            lines.append(line)
-    return blocks
+    return fenced_blocks(path, ("python",))
 
 
 def split_comment(line: str) -> tuple[str, str]:
