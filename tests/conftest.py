@@ -39,12 +39,24 @@ def speculators_python() -> str | None:
     return environment_python("DSPARK_SPECULATORS_PYTHON", ".venv-speculators")
 
 
+def llamacpp_dir() -> str | None:
+    """The llama.cpp build (`make test-llamacpp` passes DSPARK_LLAMACPP_DIR; else .llamacpp when it was built)."""
+    given = os.environ.get("DSPARK_LLAMACPP_DIR")
+    if given:
+        return given
+    local = ROOT / ".llamacpp"
+    return str(local) if (local / "build" / "bin" / "llama-server").exists() else None
+
+
 # The optional environments, by marker: (is it here?, the one sentence a test that needs it is skipped with).
 # Every test that needs one carries its marker and nothing else: this is the only place they are checked.
 ENVIRONMENTS = {
     "gpu": (lambda: torch.cuda.is_available(), "needs a CUDA device (bf16 / flex attention on GPU)"),
     "vllm": (lambda: vllm_python() is not None,
              "needs the vLLM environment (make vllm-env creates .venv-vllm; or set DSPARK_VLLM_PYTHON)"),
+    "llamacpp": (lambda: llamacpp_dir() is not None,
+                 "needs llama.cpp's llama-server (make llamacpp-env builds it into .llamacpp; or set "
+                 "DSPARK_LLAMACPP_DIR)"),
     "speculators": (lambda: speculators_python() is not None,
                     "needs the speculators 0.9.0 environment (make speculators-env creates .venv-speculators; or "
                     "set DSPARK_SPECULATORS_PYTHON)"),
@@ -52,9 +64,9 @@ ENVIRONMENTS = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test marked `gpu`, `vllm` or `speculators` is skipped, with the reason, where that environment is
+    """A test marked `gpu`, `vllm`, `llamacpp` or `speculators` is skipped, with the reason, where that environment is
     missing, never silently passed. An environment named by its variable (DSPARK_VLLM_PYTHON,
-    DSPARK_SPECULATORS_PYTHON) counts as present: a broken one fails its tests."""
+    DSPARK_SPECULATORS_PYTHON, DSPARK_LLAMACPP_DIR) counts as present: a broken one fails its tests."""
     present: dict[str, bool] = {}
     for item in items:
         reasons = []

@@ -41,6 +41,10 @@ COMMANDS: dict[str, Command] = {
                         "measure a drafter's acceptance by speculating against its verifier in process"),
     "evaluate-vllm": Command("trainer.evaluation.vllm", "main",
                              "measure a served drafter's acceptance and speed on a running vLLM server"),
+    "evaluate-llamacpp": Command("trainer.evaluation.llamacpp", "main",
+                                 "measure a drafter's acceptance and speed served by llama.cpp's llama-server (CPU)"),
+    "export-gguf": Command("trainer.export.gguf", "main",
+                           "convert a checkpoint and its verifier to GGUF for llama.cpp, and check they serve"),
     "push": Command("push_to_hub", "main", "stage a checkpoint as a servable Hub repo with its card, then upload "
                                            "it (--dry-run stages only)", own_error_path=True),
     "small-models": Command("trainer.verifier.small_models", "main",

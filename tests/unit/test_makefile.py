@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 
 
 def dry_run(tmp_path, target: str, **variables) -> subprocess.CompletedProcess:
-    venvs = {"VENV": tmp_path / "venv", "SPEC_VENV": tmp_path / "spec", "VLLM_VENV": tmp_path / "vllm"}
+    venvs = {"VENV": tmp_path / "venv", "SPEC_VENV": tmp_path / "spec", "VLLM_VENV": tmp_path / "vllm",
+             "LLAMACPP_DIR": tmp_path / "llamacpp"}
     args = [f"{k}={v}" for k, v in {**venvs, **variables}.items()]
     return subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), target, *args],
                           capture_output=True, text=True, timeout=60)
@@ -42,8 +43,9 @@ def marker_expression(argv: list[str]) -> str:
     return argv[argv.index("-m") + 1]
 
 
-@pytest.mark.parametrize("target, own", [("test", "not vllm and not faults"), ("test-faults", "faults and not vllm"),
-                                         ("test-vllm", "vllm")])
+@pytest.mark.parametrize("target, own", [("test", "not vllm and not faults and not llamacpp"),
+                                         ("test-faults", "faults and not vllm"), ("test-vllm", "vllm"),
+                                         ("test-llamacpp", "llamacpp")])
 def test_mark_is_anded_with_each_targets_own_expression(tmp_path, target, own):
     assert marker_expression(pytest_argv(tmp_path, target)) == own
     assert marker_expression(pytest_argv(tmp_path, target, MARK="not slow")) == f"{own} and (not slow)"
@@ -53,7 +55,7 @@ def test_mark_is_anded_with_each_targets_own_expression(tmp_path, target, own):
 
 def test_pytest_args_still_pass_through_after_the_marker_expression(tmp_path):
     argv = pytest_argv(tmp_path, "test", MARK="not slow", PYTEST_ARGS="-x -k 'push and not hub'")
-    assert argv == ["-m", "not vllm and not faults and (not slow)", "-x", "-k", "push and not hub"]
+    assert argv == ["-m", "not vllm and not faults and not llamacpp and (not slow)", "-x", "-k", "push and not hub"]
 
 
 def test_the_composed_expression_selects_what_it_says(tmp_path):
@@ -61,11 +63,12 @@ def test_the_composed_expression_selects_what_it_says(tmp_path):
     collects neither the vLLM, the fault nor the slow test."""
     suite = tmp_path / "suite"
     suite.mkdir()
-    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow\n    vllm\n    faults\n")
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow\n    vllm\n    faults\n    llamacpp\n")
     (suite / "test_marked.py").write_text(
         "import pytest\n\ndef test_plain(): pass\n\n@pytest.mark.slow\ndef test_slow(): pass\n\n"
         "@pytest.mark.vllm\ndef test_vllm(): pass\n\n@pytest.mark.faults\ndef test_faults(): pass\n\n"
-        "@pytest.mark.vllm\n@pytest.mark.slow\ndef test_vllm_slow(): pass\n")
+        "@pytest.mark.vllm\n@pytest.mark.slow\ndef test_vllm_slow(): pass\n\n"
+        "@pytest.mark.llamacpp\ndef test_llamacpp(): pass\n")
 
     def collected(target: str, **variables) -> set[str]:
         expression = marker_expression(pytest_argv(tmp_path, target, **variables))
@@ -78,6 +81,7 @@ def test_the_composed_expression_selects_what_it_says(tmp_path):
     assert collected("test") == {"test_plain", "test_slow"}
     assert collected("test", MARK="not slow") == {"test_plain"}
     assert collected("test-vllm", MARK="not slow") == {"test_vllm"}
+    assert collected("test-llamacpp") == {"test_llamacpp"}
     assert collected("test-faults", MARK="slow") == set()
 
 

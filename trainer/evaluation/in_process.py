@@ -50,11 +50,13 @@ from dataclasses import dataclass
 import torch
 
 from trainer.errors import Parser, UsageError, run_cli
-from trainer.evaluation.prompts import load_prompt_sets
+from trainer.evaluation.prompts import chat_prompt_ids, load_prompt_sets
 from trainer.evaluation.results import (
     DRAFT_METHODS,
+    LAST_BLOCK,
     AcceptanceStats,
     build_results,
+    clamp_last_block,
     format_table,
     with_provenance,
     write_results,
@@ -184,6 +186,7 @@ def evaluate_in_process(
     progress: bool = True,
     fidelity_check: bool = True,
     draft_method: str = "greedy",
+    last_block: str = "full",
 ) -> dict:
     """Speculate on every prompt and return a `dspark-acceptance/1` results dict.
 
@@ -211,15 +214,16 @@ def evaluate_in_process(
     bar = tqdm(total=total, desc="speculating", unit="prompt", disable=not progress)
     for name, prompts in prompt_sets.items():
         for index, prompt in enumerate(prompts):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]
-            ids = ids.to(device)
+            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
             start = time.perf_counter()
             out = speculative_generate(drafter, verifier, ids, max_new_tokens=max_new_tokens,
                                        temperature=settings["temperature"], top_k=settings.get("top_k"),
                                        top_p=settings.get("top_p"), generator=g, draft_method=draft_method)
             elapsed = time.perf_counter() - start
-            stats[name].add(out.committed_per_step, out.sequences.shape[1] - ids.shape[1], elapsed)
+            committed = out.committed_per_step
+            if last_block == "clamped":  # count the steps as llama.cpp takes them (results.clamp_last_block)
+                committed = clamp_last_block(committed, max_new_tokens)
+            stats[name].add(committed, out.sequences.shape[1] - ids.shape[1], elapsed)
             if check:
                 result = teacher_forced_acceptance(drafter, verifier, out.sequences, ids.shape[1],
                                                    out.committed_per_step)
@@ -247,7 +251,8 @@ def evaluate_in_process(
                 f"and serving layouts disagree (or the argmax is numerically tied there).",
                 FidelityWarning, stacklevel=2)
     return build_results(stats, backend="transformers", block_size=B, sampling=settings,
-                         max_new_tokens=max_new_tokens, concurrency=1, draft_method=draft_method)
+                         max_new_tokens=max_new_tokens, concurrency=1, draft_method=draft_method,
+                         last_block=last_block)
 
 
 def run_selection(drafter: str) -> str:
@@ -279,6 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="how the drafter draws its drafts when sampling: greedy (vLLM's default), probabilistic "
                              "(vLLM's draft_sample_method: probabilistic, temperature only) or filtered (with the "
                              "verifier's top-k/top-p too, not what vLLM serves); all are greedy at temperature 0")
+    parser.add_argument("--last-block", choices=LAST_BLOCK, default="full",
+                        help="how a generation's last step counts when it runs into --max-new-tokens: full (vLLM's "
+                             "way: every token the whole block accepted) or clamped (llama.cpp's: the block cut to "
+                             "the tokens left, no step with one token left)")
     parser.add_argument("--throughput", action="store_true", help="also time the verifier alone (concurrency 1)")
     parser.add_argument("--throughput-prompts", type=int, default=None,
                         help="time the verifier alone on the first N prompts of each subset only (speedup is computed "
@@ -325,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   throughput=args.throughput, throughput_prompts=args.throughput_prompts,
                                   seed=args.seed, fidelity_check=args.fidelity_check,
-                                  draft_method=args.draft_method)
+                                  draft_method=args.draft_method, last_block=args.last_block)
     results = with_provenance(results, args.drafter, drafter.config.verifier_name_or_path or verifier_name, args.prompts)
     print(write_results(results, args.out))
     return results

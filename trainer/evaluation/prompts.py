@@ -68,3 +68,11 @@ def _read_prompts(path: str) -> list[str]:
     if not prompts:
         raise UsageError(f"{path} holds no prompts; add lines like {{\"prompt\": \"...\"}} or delete the file.")
     return prompts
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A benchmark prompt as the verifier sees it: one user turn in its chat template, the generation prompt
+    added. Every evaluator builds its prompt tokens here, so the engines compared see the very same ids."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    return [int(t) for t in ids]

@@ -13,6 +13,12 @@ backend in trainer/evaluation/in_process.py; a vLLM server backend writes the sa
                                   not what vLLM serves); always "greedy" at T = 0, where every method is.
                                   Files written before it was recorded have no key (see `recorded_draft_method`)
     max_new_tokens, concurrency
+    last_block                    how a generation's last verification step counts when it runs into
+                                  max_new_tokens: "full" (vLLM's way, and the in-process default: the step drafts a
+                                  whole block and counts every token it accepts, though the output is cut at
+                                  max_new_tokens) or "clamped" (llama.cpp's: the draft is cut to the tokens left, and
+                                  with one token left there is no draft and no step; see `clamp_last_block`).
+                                  Files written before it was recorded have no key (they count "full")
     subsets.<name>                acceptance_length (1.0 .. B+1), pos [B] (pos[k]: share of steps accepting
                                   >= k+1 drafts), steps, prompts, generated_tokens, and with throughput
                                   tokens_per_s, paired_tokens_per_s, baseline_tokens_per_s, speedup (paired / baseline: the same prompts)
@@ -93,6 +99,30 @@ def is_hub_dataset(name) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ measuring
+LAST_BLOCK = ("full", "clamped")
+
+
+def clamp_last_block(committed_per_step: list[int], max_new_tokens: int) -> list[int]:
+    """A generation's committed tokens per step as llama.cpp counts them, from the full-block counts.
+
+    The first generated token comes from the prefill (no step). llama.cpp drafts at most `left - 1` tokens when
+    `left` tokens remain to `max_new_tokens`, so the step commits `min(committed, left)`; with one token left it
+    drafts nothing and decodes plainly, which is not a verification step. This is the count of a cut block that
+    drafts what the whole block's first `left - 1` slots draft. llama.cpp runs the cut block as a shorter block,
+    whose slots attend to fewer mask slots than in training (full-attention layers see their whole block), so its
+    drafts there can differ: only the steps that draft a whole block (`left > B`) compare exactly across engines
+    (benchmarks/llamacpp.py compares those separately)."""
+    out, generated = [], 1
+    for committed in committed_per_step:
+        left = max_new_tokens - generated
+        if left <= 1:
+            break
+        out.append(min(committed, left))
+        generated += out[-1]
+    return out
+
+
+
 @dataclass
 class AcceptanceStats:
     """What one subset measured: committed tokens per verification step, plus generation timing."""
@@ -182,15 +212,19 @@ def effective_draft_method(sampling: dict, draft_method: str | None) -> str | No
 
 
 def build_results(stats: dict[str, AcceptanceStats], *, backend: str, block_size: int, sampling: dict,
-                  max_new_tokens: int, concurrency: int = 1, draft_method: str | None = None) -> dict:
+                  max_new_tokens: int, concurrency: int = 1, draft_method: str | None = None,
+                  last_block: str = "full") -> dict:
     """A `dspark-acceptance/1` dict from what a backend measured (provenance is added by `with_provenance`).
 
     `draft_method` is recorded as `effective_draft_method` gives it (so "greedy" at temperature 0); a backend that
     does not know it at T > 0 passes None and the key is left out rather than guessed."""
     method = effective_draft_method(sampling, draft_method)
+    if last_block not in LAST_BLOCK:
+        raise ValueError(f"last_block {last_block!r} is not one of {', '.join(LAST_BLOCK)}.")
     return {"schema": SCHEMA, "backend": backend, "block_size": block_size, "sampling": sampling,
             **({"draft_method": method} if method is not None else {}),
-            "max_new_tokens": max_new_tokens, "concurrency": concurrency, **reduce(stats, block_size)}
+            "max_new_tokens": max_new_tokens, "concurrency": concurrency, "last_block": last_block,
+            **reduce(stats, block_size)}
 
 
 def weights_sha256(directory: str | os.PathLike) -> str | None:

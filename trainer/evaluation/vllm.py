@@ -59,13 +59,13 @@ def spec_counters(url: str) -> dict:
             "per_pos": [per_pos.get(k, 0.0) for k in range(max(per_pos) + 1 if per_pos else 0)]}
 
 
-def committed_histogram(before: dict, after: dict, url: str, subset: str) -> list[int]:
+def committed_histogram(before: dict, after: dict, url: str, subset: str, engine: str = "vLLM") -> list[int]:
     """The tokens committed by each verification step between two scrapes, rebuilt from the counters: a step
     that accepted j drafts added 1 to positions 0..j-1, so `per_pos[j-1] - per_pos[j]` steps accepted exactly j
     (and `drafts - per_pos[0]` none); each committed j + 1 tokens (the bonus or corrected one included)."""
     drafts = round(after["drafts"] - before["drafts"])
     if drafts <= 0:
-        raise VLLMServerError(f"the vLLM server {url} counted no drafts during subset {subset}: it did not "
+        raise VLLMServerError(f"the {engine} server {url} counted no drafts during subset {subset}: it did not "
                               f"speculate (a drafter that is switched off, or prompts that end at once); check "
                               f"its speculative config.")
     at_least = [drafts] + [round(a - b) for a, b in zip(after["per_pos"], before["per_pos"])] + [0]
@@ -73,13 +73,13 @@ def committed_histogram(before: dict, after: dict, url: str, subset: str) -> lis
     for j in range(len(at_least) - 1):
         exactly = at_least[j] - at_least[j + 1]
         if exactly < 0:
-            raise VLLMServerError(f"the spec-decode counters of {url} are inconsistent during subset {subset} "
+            raise VLLMServerError(f"the {engine} spec-decode counters of {url} are inconsistent during subset {subset} "
                                   f"(position {j} accepted more often than position {j - 1}); was another client "
                                   f"using the server?")
         committed += [j + 1] * exactly
     accepted = round(after["accepted"] - before["accepted"])
     if sum(committed) - len(committed) != accepted:
-        raise VLLMServerError(f"the spec-decode counters of {url} disagree during subset {subset} (accepted "
+        raise VLLMServerError(f"the {engine} spec-decode counters of {url} disagree during subset {subset} (accepted "
                               f"{accepted}, per position {sum(committed) - len(committed)}); was another client "
                               f"using the server?")
     return committed

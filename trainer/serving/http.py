@@ -1,11 +1,13 @@
 """Talking to a running vLLM OpenAI-compatible server: one home for the requests, the errors and the checks
-that every vLLM backend shares (hidden states, regeneration, serving evaluation).
+that every vLLM backend shares (hidden states, regeneration, serving evaluation). llama.cpp's llama-server
+(trainer/serving/llamacpp.py) goes through the same requests and `/metrics` reader, named by `engine`.
 
     request_json(url, route, body)     GET (body None) or POST JSON; failures as one sentence naming the URL
     checked_url(url)                   `url`, refused when it carries credentials (every message names the URL)
     served_models(url)                 the `/v1/models` entries
     check_serves(url, names)           `/v1/models` lists one of `names` (as id or root), else one sentence
     stream_chat(url, body)             a streamed chat completion: text, completion tokens, seconds, finish reason
+    stream_events(url, route, body)    the JSON payloads of any streamed answer, in order
     scrape_metrics(url)                `/metrics` (Prometheus text) as {name: {labels: value}}
 
 Only the standard library: these run in the trainer's processes, which need no HTTP package of their own.
@@ -50,7 +52,7 @@ def checked_url(url: str, what: str = "the vLLM server URL") -> str:
                      f"would print in its messages; pass the server's address without them.")
 
 
-def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = ""):
+def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = "", engine: str = "vLLM"):
     checked_url(url)
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"})
@@ -59,27 +61,28 @@ def _open(url: str, route: str, body: dict | None, timeout: float, hint: str = "
     except urllib.error.HTTPError as e:
         detail = " ".join(e.read()[:300].decode(errors="replace").split())
         reason = f"HTTP {e.code}: {detail}" if detail else f"HTTP {e.code}"
-        raise VLLMServerError(f"the vLLM server {url} answered {route} with HTTP {e.code} ({detail}); check the "
+        raise VLLMServerError(f"the {engine} server {url} answered {route} with HTTP {e.code} ({detail}); check the "
                               f"request and the server's log.", reason, e.code, e.code >= 500 or e.code == 429) from e
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         reason = str(getattr(e, "reason", "") or e) or type(e).__name__
-        raise VLLMServerError(f"the vLLM server {url} is unreachable ({reason}); "
+        raise VLLMServerError(f"the {engine} server {url} is unreachable ({reason}); "
                               f"{hint or 'start it, or pass the URL of a running one'}.", reason, None, True) from e
 
 
-def request_json(url: str, route: str, body: dict | None = None, timeout: float = 300.0, hint: str = "") -> dict:
+def request_json(url: str, route: str, body: dict | None = None, timeout: float = 300.0, hint: str = "",
+                 engine: str = "vLLM") -> dict:
     try:
-        with _open(url, route, body, timeout, hint) as response:
+        with _open(url, route, body, timeout, hint, engine) as response:
             raw = response.read()
     except (OSError, http.client.HTTPException) as e:  # a timeout or reset while the answer was being read
         reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise VLLMServerError(f"the vLLM server {url} broke off its answer to {route} ({reason}); check the "
+        raise VLLMServerError(f"the {engine} server {url} broke off its answer to {route} ({reason}); check the "
                               f"server's log.", reason, None, True) from e
     try:
         return json.loads(raw)
     except json.JSONDecodeError as e:
-        raise VLLMServerError(f"the vLLM server {url} answered {route} with something other than JSON; is it a vLLM "
-                              f"OpenAI-compatible server?", "an answer that is not JSON") from e
+        raise VLLMServerError(f"the {engine} server {url} answered {route} with something other than JSON; is it "
+                              f"a {engine} server?", "an answer that is not JSON") from e
 
 
 def served_models(url: str, timeout: float = 60.0, hint: str = "") -> list[dict]:
@@ -142,9 +145,26 @@ def stream_chat(url: str, body: dict, timeout: float = 600.0) -> StreamedComplet
     return StreamedCompletion("".join(text), tokens, seconds, first, finish)
 
 
-def scrape_metrics(url: str, timeout: float = 60.0) -> dict[str, dict[tuple, float]]:
+def stream_events(url: str, route: str, body: dict, timeout: float = 600.0, engine: str = "vLLM"):
+    """The JSON payloads of a server-sent-events answer (`data: {...}` lines), in order, until `[DONE]` or the end."""
+    with _open(url, route, body, timeout, engine=engine) as response:
+        for raw in response:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                return
+            try:
+                yield json.loads(payload)
+            except json.JSONDecodeError as e:
+                raise VLLMServerError(f"the {engine} server {url} streamed something other than JSON on {route}; is "
+                                      f"it a {engine} server?", "a streamed line that is not JSON") from e
+
+
+def scrape_metrics(url: str, timeout: float = 60.0, engine: str = "vLLM") -> dict[str, dict[tuple, float]]:
     """`/metrics` as `{metric name: {sorted label pairs: value}}` (comments skipped)."""
-    with _open(url, "/metrics", None, timeout) as response:
+    with _open(url, "/metrics", None, timeout, engine=engine) as response:
         text = response.read().decode(errors="replace")
     out: dict[str, dict[tuple, float]] = {}
     for line in text.splitlines():
