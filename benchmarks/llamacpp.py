@@ -5,10 +5,11 @@
 
 (a) Agreement at T = 0. The checkpoint is converted to an f32 GGUF (`trainer.export.gguf`) and served by
     llama-server with f32 KV caches; the in-process evaluator speculates on the same prompt token ids with the
-    float32 checkpoint (`generation_dspark.speculative_generate`). Both are lossless, so every prompt must give
-    the same tokens (where they differ, the first differing position is reported: a numerical argmax tie
-    between llama.cpp's verifier and transformers'). Acceptance is compared per subset over the same steps:
-    the steps that draft a whole block on both engines (`left > B` tokens to `max_new_tokens`; llama.cpp cuts
+    float32 checkpoint (`generation_dspark.speculative_generate`). Both are lossless, so both give the verifier's
+    greedy tokens; where they differ, the first differing position and the float64 logit gap between the two
+    tokens there are reported (a gap at float32 rounding scale is an argmax tie that two implementations break
+    differently). Acceptance is compared per subset over the same steps of the identical generations: the steps
+    that draft a whole block on both engines (`left > B` tokens to `max_new_tokens`; llama.cpp cuts
     the last blocks of a generation to the tokens left and runs them as shorter blocks, vLLM and the in-process
     evaluator do not), and over all steps with the in-process counts clamped as llama.cpp takes them
     (`trainer.evaluation.results.clamp_last_block`).
@@ -49,6 +50,26 @@ def whole_block_committed(committed: list[int], max_new_tokens: int, block: int)
     return out
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two generations differ (a length when one is a prefix of the other), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def tie_gap(verifier64, prompt_ids: list[int], ours: list[int], theirs: list[int]) -> float | None:
+    """Where two lossless greedy generations part, the float64 logit gap between the two tokens chosen: a gap at
+    float32 rounding scale means both engines took the verifier's argmax, within their arithmetic."""
+    import torch
+
+    n = first_difference(ours, theirs)
+    if n is None or n >= min(len(ours), len(theirs)):
+        return None
+    with torch.no_grad():
+        logits = verifier64(torch.tensor([prompt_ids + ours[:n]])).logits[0, -1]
+    return abs(float(logits[ours[n]] - logits[theirs[n]]))
+
+
 def mean(values: list[int]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -76,8 +97,10 @@ def unfolded_copy(drafter: Path, out: Path) -> Path:
     return out
 
 
-def in_process(drafter_dir: Path, verifier_dir: Path, prompt_ids: dict, max_new_tokens: int) -> dict:
-    """Per subset, per prompt: generated tokens and committed counts of the in-process speculative loop at T=0."""
+def in_process(drafter_dir: Path, verifier_dir: Path, prompt_ids: dict, max_new_tokens: int,
+               theirs: dict | None = None) -> dict:
+    """Per subset, per prompt: generated tokens and committed counts of the in-process speculative loop at T=0, and
+    where `theirs` (llama.cpp's generations) differs, the float64 logit gap there (`tie_gap`)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -101,6 +124,15 @@ def in_process(drafter_dir: Path, verifier_dir: Path, prompt_ids: dict, max_new_
                                 "seconds": time.perf_counter() - started})
             bar.update(1)
     bar.close()
+    verifier64 = None
+    for subset, prompts in prompt_ids.items():
+        for ids, mine, other in zip(prompts, out[subset], (theirs or {}).get(subset, [])):
+            if mine["tokens"] != other.tokens:
+                if verifier64 is None:
+                    import copy
+
+                    verifier64 = copy.deepcopy(verifier).to(torch.float64).eval()
+                mine["tie_gap"] = tie_gap(verifier64, ids, mine["tokens"], other.tokens)
     return out
 
 
@@ -111,20 +143,21 @@ def agreement(ours: dict, theirs: dict, max_new_tokens: int, block: int) -> dict
     table = {}
     for subset, mine in ours.items():
         other = theirs[subset]
-        identical, first_diff = 0, []
+        identical, first_diff, gaps = 0, [], []
         ours_whole, theirs_whole, ours_clamped, theirs_all = [], [], [], []
         for a, b in zip(mine, other):
             if a["tokens"] == b.tokens:
                 identical += 1
             else:
-                n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b.tokens)) if x != y),
-                         min(len(a["tokens"]), len(b.tokens)))
-                first_diff.append(n)
-            ours_whole += whole_block_committed(a["committed"], max_new_tokens, block)
-            theirs_whole += [acc + 1 for drafted, acc in b.steps if drafted == block]
+                first_diff.append(first_difference(a["tokens"], b.tokens))
+                gaps.append(a.get("tie_gap"))
+            if a["tokens"] == b.tokens:  # the same steps on both engines: compared exactly
+                ours_whole += whole_block_committed(a["committed"], max_new_tokens, block)
+                theirs_whole += [acc + 1 for drafted, acc in b.steps if drafted == block]
             ours_clamped += clamp_last_block(a["committed"], max_new_tokens)
             theirs_all += b.committed
         row = {"prompts": len(mine), "identical": identical, "first_difference_at": first_diff,
+               "float64_logit_gap_at_difference": gaps,
                "whole_block": {"steps": [len(ours_whole), len(theirs_whole)],
                                "in_process": mean(ours_whole), "llamacpp": mean(theirs_whole)},
                "clamped": {"steps": [len(ours_clamped), len(theirs_all)],
@@ -144,26 +177,30 @@ def totals(table: dict, key: str) -> tuple[float, float, int, int]:
 
 def report(result: dict) -> str:
     lines = ["## (a) Agreement at T = 0 (f32 GGUF, f32 KV caches, vs the float32 checkpoint in process)", "",
-             "| subset | identical generations | whole-block steps (ours / llama.cpp) | acceptance, ours | "
+             "| subset | identical generations | float64 logit gap where not | whole-block steps (ours / llama.cpp) | acceptance, ours | "
              "acceptance, llama.cpp | difference | all steps, clamped (ours / llama.cpp) | ours | llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for subset, r in result["agreement"].items():
         w, c = r["whole_block"], r["clamped"]
         diff = (w["llamacpp"] - w["in_process"]) if None not in (w["llamacpp"], w["in_process"]) else None
-        lines.append(f"| {subset} | {r['identical']} of {r['prompts']} | {w['steps'][0]} / {w['steps'][1]} | "
+        gaps = ", ".join(common.fmt(g) for g in r["float64_logit_gap_at_difference"]) or "-"
+        lines.append(f"| {subset} | {r['identical']} of {r['prompts']} | {gaps} | {w['steps'][0]} / {w['steps'][1]} | "
                      f"{common.fmt(w['in_process'])} | {common.fmt(w['llamacpp'])} | {common.fmt(diff)} | "
                      f"{c['steps'][0]} / {c['steps'][1]} | {common.fmt(c['in_process'])} | {common.fmt(c['llamacpp'])} |")
     lines += ["", "## (b) Confidence threshold (--spec-draft-p-min) in llama-server", "",
               "| head | p_min | acceptance length | steps | tokens/s | verifier alone tokens/s | speedup |",
               "|---|---|---|---|---|---|---|"]
     for row in result["confidence"]:
-        lines.append(f"| {row['head']} | {row['p_min']:g} | {row['acceptance_length']:.3f} | {row['steps']} | "
+        lines.append(f"| {row['head']} | {row['p_min']:g} | {common.fmt(row['acceptance_length'])} | {row['steps']} | "
                      f"{row['tokens_per_s']:.1f} | {row['baseline_tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
     a, b, sa, sb = totals(result["agreement"], "whole_block")
     identical = sum(r["identical"] for r in result["agreement"].values())
     prompts = sum(r["prompts"] for r in result["agreement"].values())
-    lines += ["", f"llama.cpp vs in-process at T=0: {identical} of {prompts} generations identical; whole-block "
-                  f"acceptance ours {a:.3f} over {sa} steps, llama.cpp {b:.3f} over {sb} steps "
+    gaps = [g for r in result["agreement"].values() for g in r["float64_logit_gap_at_difference"] if g is not None]
+    ties = f" (the others part where the verifier's float64 logits of the two tokens are {max(gaps):.2g} apart " \
+           f"at most)" if gaps else ""
+    lines += ["", f"llama.cpp vs in-process at T=0: {identical} of {prompts} generations identical{ties}; "
+                  f"whole-block acceptance ours {a:.3f} over {sa} steps, llama.cpp {b:.3f} over {sb} steps "
                   f"(difference {b - a:+.3f})"]
     return "\n".join(lines)
 
@@ -185,7 +222,7 @@ def confidence_rows(head: str, gguf: Path, verifier_dir: Path, prompt_ids: dict,
         rows.append({"head": head, "p_min": p_min, "acceptance_length": results["weighted_acceptance_length"],
                      "steps": results["total_steps"], "tokens_per_s": tokens / seconds,
                      "baseline_tokens_per_s": tokens / base_seconds, "speedup": base_seconds / seconds})
-        print(f"{head} p_min={p_min:g}: acceptance {rows[-1]['acceptance_length']:.3f}, "
+        print(f"{head} p_min={p_min:g}: acceptance {common.fmt(rows[-1]['acceptance_length'])}, "
               f"{rows[-1]['tokens_per_s']:.1f} tokens/s ({rows[-1]['speedup']:.2f}x)", flush=True)
     return rows
 
@@ -230,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                 with_baseline=False, sampling={"temperature": 0.0},
                                                 max_new_tokens=tokens)
     print(">> in process at T=0 (float32)", flush=True)
-    ours = in_process(drafter, verifier_dir, prompt_ids, tokens)
+    ours = in_process(drafter, verifier_dir, prompt_ids, tokens, generations)
     result = {"drafter": str(drafter), "verifier": str(verifier_dir), "prompts": args.prompts,
               "prompts_per_subset": limit, "max_new_tokens": tokens, "block_size": config.block_size,
               "agreement": agreement(ours, generations, tokens, config.block_size),

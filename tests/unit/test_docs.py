@@ -213,6 +213,22 @@ def check_run_py(tokens: list[str]) -> None:
     RunConfig.load(str(ROOT / config) if config else None, rest)
 
 
+LLAMA_SERVER = ".llamacpp/build/bin/llama-server"  # where make llamacpp-env builds it
+
+
+def llama_server_flags() -> set[str]:
+    """Every flag this package starts llama-server with (the evaluator's servers and export-gguf's printed
+    command): a documented llama-server command may use only these, so a flag llama.cpp renames is caught where
+    the code is tested against the real server (make test-llamacpp)."""
+    from trainer.export.gguf import serve_command
+    from trainer.serving.llamacpp import LlamaCpp, LlamaServer
+
+    build = LlamaCpp(ROOT / ".llamacpp")
+    argv = LlamaServer(build, "v.gguf", "d.gguf", block_size=4, p_min=0.5, kv_type="f32", threads=2,
+                       port=1).argv() + shlex.split(serve_command(build, Path("v"), Path("d"), 4))
+    return {token for token in argv if token.startswith("-")}
+
+
 def check(tokens: list[str]) -> None:
     """One command; an AssertionError (or the code's own UsageError) says what is wrong."""
     while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):  # VAR=value prefixes
@@ -221,6 +237,11 @@ def check(tokens: list[str]) -> None:
     program = tokens[0]
     assert not missing_repo_paths(tokens), f"names files that do not exist: {missing_repo_paths(tokens)}"
     if program in SHELL_WORDS or program in EXTERNAL:
+        return
+    if program == LLAMA_SERVER:
+        used = llama_server_flags()
+        unknown = [t for t in tokens[1:] if t.startswith("-") and t not in used]
+        assert not unknown, f"llama-server flags {unknown} are not ones this package starts it with"
         return
     if program == "make":
         targets, variables = makefile()

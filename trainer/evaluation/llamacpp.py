@@ -42,9 +42,15 @@ def padded(counters: dict, length: int) -> dict:
 
 def evaluate_llamacpp(url: str, prompt_ids: dict[str, list[list[int]]], *, sampling: dict, max_new_tokens: int,
                       baseline: str | None = None, seed: int = 0, timeout: float = 600.0,
-                      progress: bool = True) -> tuple[dict, dict[str, list]]:
+                      progress: bool = True, block_size: int | None = None,
+                      threshold: bool = False) -> tuple[dict, dict[str, list]]:
     """`(results, generations)`: a `dspark-acceptance/1` dict (provenance not added) for the drafter served at `url`,
-    and per subset the `Completion` of each prompt (tokens and steps, for comparisons)."""
+    and per subset the `Completion` of each prompt (tokens and steps, for comparisons).
+
+    `block_size` is the drafter's B (default: the number of per-position counters the server exposes). With
+    `threshold` (the server cuts blocks at a confidence threshold) a subset whose every block was cut to nothing
+    has no verification steps and is recorded so; otherwise a subset without drafts means the server does not
+    speculate, which is an error, never an acceptance of 1."""
     from tqdm.auto import tqdm
 
     from trainer.evaluation.vllm import committed_histogram
@@ -63,11 +69,17 @@ def evaluate_llamacpp(url: str, prompt_ids: dict[str, list[list[int]]], *, sampl
             done.append(complete(url, ids, max_new_tokens, sampling, seed=seed + i, timeout=timeout))
             bar.update(1)
         after = spec_counters(url)
-        block = block or len(after["per_pos"])
-        if not block or len(after["per_pos"]) != block:
+        block = block or block_size or len(after["per_pos"])
+        if after["drafts"] == before["drafts"]:
+            if not threshold:  # a server that does not speculate: reported, never read as acceptance 1
+                committed_histogram(before, after, url, subset, engine=ENGINE)
+            counted = []  # every block of the subset was cut below the confidence threshold: no step to count
+        elif not block or len(after["per_pos"]) != block:
             raise LlamaCppError(f"the llama.cpp server {url} exposes {len(after['per_pos'])} per-position draft "
-                                f"counters after subset {subset}; serve the drafter with --spec-type draft-dspark.")
-        counted = committed_histogram(padded(before, block), after, url, subset, engine=ENGINE)
+                                f"counters after subset {subset}, not one per slot of a {block}-token block; serve "
+                                f"the drafter with --spec-type draft-dspark and --spec-draft-n-max {block or 'B'}.")
+        else:
+            counted = committed_histogram(padded(before, block), padded(after, block), url, subset, engine=ENGINE)
         streamed = [c for g in done for c in g.committed]
         if sorted(counted) != sorted(streamed):
             raise LlamaCppError(f"the llama.cpp server {url} streamed {len(streamed)} verification steps for subset "
@@ -199,7 +211,7 @@ def serve_and_evaluate(folder: str, outtype: str, prompt_ids: dict[str, list[lis
                                                 threads=threads, log_path=logs / f"llama-server-{outtype}-alone.log")
                                     ) if with_baseline else None
         results, generations = evaluate_llamacpp(drafter.url, prompt_ids, baseline=alone.url if alone else None,
-                                                 **kwargs)
+                                                 block_size=block, threshold=p_min > 0, **kwargs)
     served = {"drafter_gguf": str(drafter_gguf), "verifier_gguf": str(verifier_gguf), "outtype": outtype,
               "block_size": block}
     return results, served, generations

@@ -86,7 +86,12 @@ def local_folder(name: str, what: str) -> Path:
 
 
 def serve_command(llamacpp, verifier_gguf: Path, drafter_gguf: Path, block_size: int) -> str:
-    return shlex.join([str(llamacpp.server), "-m", str(verifier_gguf), "-md", str(drafter_gguf), "--spec-type",
+    """The llama-server command that serves a pair (paths relative to the working directory when under it)."""
+    def shown(path: Path) -> str:
+        relative = os.path.relpath(path)
+        return relative if not relative.startswith("..") else str(path)
+
+    return shlex.join([shown(llamacpp.server), "-m", shown(verifier_gguf), "-md", shown(drafter_gguf), "--spec-type",
                        "draft-dspark", "--spec-draft-n-max", str(block_size), "--host", "127.0.0.1", "--port",
                        "8080"])
 

@@ -118,3 +118,20 @@ def test_sampling_sets_every_llamacpp_filter():
         "presence_penalty": 0.0, "frequency_penalty": 0.0}
     body = sampling_body({"temperature": 0.7, "top_k": 20, "top_p": 0.8})
     assert (body["temperature"], body["top_k"], body["top_p"], body["min_p"]) == (0.7, 20, 0.8, 0.0)
+
+
+def test_the_documented_server_command_is_the_one_export_gguf_prints(monkeypatch):
+    """docs/serving-llamacpp.md shows the command export-gguf prints for the demo's pair, run from the checkout."""
+    import re
+    import shlex
+
+    from trainer import REPO_ROOT
+    from trainer.export.gguf import serve_command
+
+    monkeypatch.chdir(REPO_ROOT)
+    text = (REPO_ROOT / "docs" / "serving-llamacpp.md").read_text()
+    block = re.search(r"```bash\n(\.llamacpp/build/bin/llama-server .*?)\n```", text, re.S).group(1)
+    shown = shlex.split(block.replace("\\\n", " "))
+    printed = shlex.split(serve_command(LlamaCpp(REPO_ROOT / ".llamacpp"), Path("out/demo/gguf/verifier-f32.gguf"),
+                                        Path("out/demo/gguf/drafter-f32.gguf"), 4))
+    assert shown == printed
