@@ -9,7 +9,8 @@
     greedy tokens; where they differ, the first differing position and the float64 logit gap between the two
     tokens there are reported (a gap at float32 rounding scale is an argmax tie that two implementations break
     differently). Acceptance is compared per subset over the same steps of the identical generations: the steps
-    that draft a whole block on both engines (`left > B` tokens to `max_new_tokens`; llama.cpp cuts
+    before a generation's last one (at an end-of-sequence token llama.cpp stops counting accepted drafts; vLLM
+    and the in-process loop count those the verifier accepts past it) that draft a whole block on both engines (`left > B` tokens to `max_new_tokens`; llama.cpp cuts
     the last blocks of a generation to the tokens left and runs them as shorter blocks, vLLM and the in-process
     evaluator do not), and over all steps with the in-process counts clamped as llama.cpp takes them
     (`trainer.evaluation.results.clamp_last_block`).
@@ -152,8 +153,11 @@ def agreement(ours: dict, theirs: dict, max_new_tokens: int, block: int) -> dict
                 first_diff.append(first_difference(a["tokens"], b.tokens))
                 gaps.append(a.get("tie_gap"))
             if a["tokens"] == b.tokens:  # the same steps on both engines: compared exactly
-                ours_whole += whole_block_committed(a["committed"], max_new_tokens, block)
-                theirs_whole += [acc + 1 for drafted, acc in b.steps if drafted == block]
+                # a generation's last step is left out: when it ends at an end-of-sequence token, llama.cpp stops
+                # counting accepted drafts there, while vLLM and the in-process loop count the drafts the verifier
+                # accepts past it (docs/serving-llamacpp.md); when it ends at max_new_tokens it is cut anyway
+                ours_whole += whole_block_committed(a["committed"][:-1], max_new_tokens, block)
+                theirs_whole += [acc + 1 for drafted, acc in b.steps[:-1] if drafted == block]
             ours_clamped += clamp_last_block(a["committed"], max_new_tokens)
             theirs_all += b.committed
         row = {"prompts": len(mine), "identical": identical, "first_difference_at": first_diff,
@@ -176,32 +180,39 @@ def totals(table: dict, key: str) -> tuple[float, float, int, int]:
 
 
 def report(result: dict) -> str:
-    lines = ["## (a) Agreement at T = 0 (f32 GGUF, f32 KV caches, vs the float32 checkpoint in process)", "",
-             "| subset | identical generations | float64 logit gap where not | whole-block steps (ours / llama.cpp) | acceptance, ours | "
-             "acceptance, llama.cpp | difference | all steps, clamped (ours / llama.cpp) | ours | llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for subset, r in result["agreement"].items():
-        w, c = r["whole_block"], r["clamped"]
-        diff = (w["llamacpp"] - w["in_process"]) if None not in (w["llamacpp"], w["in_process"]) else None
-        gaps = ", ".join(common.fmt(g) for g in r["float64_logit_gap_at_difference"]) or "-"
-        lines.append(f"| {subset} | {r['identical']} of {r['prompts']} | {gaps} | {w['steps'][0]} / {w['steps'][1]} | "
-                     f"{common.fmt(w['in_process'])} | {common.fmt(w['llamacpp'])} | {common.fmt(diff)} | "
-                     f"{c['steps'][0]} / {c['steps'][1]} | {common.fmt(c['in_process'])} | {common.fmt(c['llamacpp'])} |")
-    lines += ["", "## (b) Confidence threshold (--spec-draft-p-min) in llama-server", "",
-              "| head | p_min | acceptance length | steps | tokens/s | verifier alone tokens/s | speedup |",
-              "|---|---|---|---|---|---|---|"]
-    for row in result["confidence"]:
-        lines.append(f"| {row['head']} | {row['p_min']:g} | {common.fmt(row['acceptance_length'])} | {row['steps']} | "
-                     f"{row['tokens_per_s']:.1f} | {row['baseline_tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
-    a, b, sa, sb = totals(result["agreement"], "whole_block")
-    identical = sum(r["identical"] for r in result["agreement"].values())
-    prompts = sum(r["prompts"] for r in result["agreement"].values())
-    gaps = [g for r in result["agreement"].values() for g in r["float64_logit_gap_at_difference"] if g is not None]
-    ties = f" (the others part where the verifier's float64 logits of the two tokens are {max(gaps):.2g} apart " \
-           f"at most)" if gaps else ""
-    lines += ["", f"llama.cpp vs in-process at T=0: {identical} of {prompts} generations identical{ties}; "
-                  f"whole-block acceptance ours {a:.3f} over {sa} steps, llama.cpp {b:.3f} over {sb} steps "
-                  f"(difference {b - a:+.3f})"]
+    lines = []
+    if result["agreement"]:
+        lines += ["## (a) Agreement at T = 0 (f32 GGUF, f32 KV caches, vs the float32 checkpoint in process)", "",
+                  "| subset | identical generations | float64 logit gap where not | whole-block steps (ours / "
+                  "llama.cpp) | acceptance, ours | acceptance, llama.cpp | difference | all steps, clamped (ours / "
+                  "llama.cpp) | ours | llama.cpp |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for subset, r in result["agreement"].items():
+            w, c = r["whole_block"], r["clamped"]
+            diff = (w["llamacpp"] - w["in_process"]) if None not in (w["llamacpp"], w["in_process"]) else None
+            gaps = ", ".join(common.fmt(g) for g in r["float64_logit_gap_at_difference"]) or "-"
+            lines.append(f"| {subset} | {r['identical']} of {r['prompts']} | {gaps} | {w['steps'][0]} / "
+                         f"{w['steps'][1]} | {common.fmt(w['in_process'])} | {common.fmt(w['llamacpp'])} | "
+                         f"{common.fmt(diff)} | {c['steps'][0]} / {c['steps'][1]} | {common.fmt(c['in_process'])} | "
+                         f"{common.fmt(c['llamacpp'])} |")
+    if result["confidence"]:
+        lines += ["", "## (b) Confidence threshold (--spec-draft-p-min) in llama-server", "",
+                  "| head | p_min | acceptance length | steps | tokens/s | verifier alone tokens/s | speedup |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in result["confidence"]:
+            lines.append(f"| {row['head']} | {row['p_min']:g} | {common.fmt(row['acceptance_length'])} | "
+                         f"{row['steps']} | {row['tokens_per_s']:.1f} | {row['baseline_tokens_per_s']:.1f} | "
+                         f"{row['speedup']:.2f}x |")
+    if result["agreement"]:
+        a, b, sa, sb = totals(result["agreement"], "whole_block")
+        identical = sum(r["identical"] for r in result["agreement"].values())
+        prompts = sum(r["prompts"] for r in result["agreement"].values())
+        gaps = [g for r in result["agreement"].values() for g in r["float64_logit_gap_at_difference"]
+                if g is not None]
+        ties = (f" (the others part where the verifier's float64 logits of the two tokens are {max(gaps):.2g} "
+                f"apart at most)") if gaps else ""
+        lines += ["", f"llama.cpp vs in-process at T=0: {identical} of {prompts} generations identical{ties}; "
+                      f"whole-block acceptance ours {a:.3f} over {sa} steps, llama.cpp {b:.3f} over {sb} steps "
+                      f"(difference {b - a:+.3f})"]
     return "\n".join(lines)
 
 
@@ -236,11 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-prompts", type=int, default=2, help="prompts per subset")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--p-min", default="0,0.3,0.5,0.7", help="comma-separated --spec-draft-p-min values")
+    parser.add_argument("--only", choices=("all", "agreement", "confidence"), default="all",
+                        help="run (a) the T = 0 agreement, (b) the confidence sweep, or both")
     parser.add_argument("--quick", action="store_true", help="one subset, one prompt, 24 tokens, p_min 0 and 0.5")
     parser.add_argument("--out", default="out/bench-llamacpp")
     args = parser.parse_args(argv)
     from configuration_dspark import DSparkConfig
-    from trainer.evaluation.llamacpp import serve_and_evaluate
     from trainer.evaluation.prompts import chat_prompt_ids, load_prompt_sets
     from trainer.export.gguf import export_gguf, local_folder
 
@@ -262,23 +274,19 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     print(">> exporting the drafter to GGUF (f32) and checking it serves", flush=True)
     export_gguf(str(drafter), str(out / "gguf"), str(verifier_dir), ("f32",))
-    print(">> llama.cpp at T=0 (f32 KV caches)", flush=True)
-    served, _, generations = serve_and_evaluate(str(out / "gguf"), "f32", prompt_ids, kv_type="f32",
-                                                with_baseline=False, sampling={"temperature": 0.0},
-                                                max_new_tokens=tokens)
-    print(">> in process at T=0 (float32)", flush=True)
-    ours = in_process(drafter, verifier_dir, prompt_ids, tokens, generations)
     result = {"drafter": str(drafter), "verifier": str(verifier_dir), "prompts": args.prompts,
               "prompts_per_subset": limit, "max_new_tokens": tokens, "block_size": config.block_size,
-              "agreement": agreement(ours, generations, tokens, config.block_size),
-              "llamacpp_results": served}
-    print(">> confidence thresholds: calibrated head", flush=True)
-    result["confidence"] = confidence_rows("calibrated", out / "gguf", verifier_dir, prompt_ids, tokens, p_mins)
-    print(">> confidence thresholds: the head before calibration", flush=True)
-    raw = unfolded_copy(drafter, out / "uncalibrated")
-    export_gguf(str(raw), str(out / "gguf-uncalibrated"), str(verifier_dir), ("f32",), check=False)
-    result["confidence"] += confidence_rows("before calibration", out / "gguf-uncalibrated", verifier_dir,
-                                            prompt_ids, tokens, p_mins)
+              "agreement": {}, "confidence": []}
+    if args.only in ("all", "agreement"):
+        result.update(agreement_run(drafter, verifier_dir, out, prompt_ids, tokens, config.block_size))
+    if args.only in ("all", "confidence"):
+        print(">> confidence thresholds: calibrated head", flush=True)
+        result["confidence"] = confidence_rows("calibrated", out / "gguf", verifier_dir, prompt_ids, tokens, p_mins)
+        print(">> confidence thresholds: the head before calibration", flush=True)
+        raw = unfolded_copy(drafter, out / "uncalibrated")
+        export_gguf(str(raw), str(out / "gguf-uncalibrated"), str(verifier_dir), ("f32",), check=False)
+        result["confidence"] += confidence_rows("before calibration", out / "gguf-uncalibrated", verifier_dir,
+                                                prompt_ids, tokens, p_mins)
     result.update(seconds=time.time() - started, machine=common.machine(), versions=common.versions(),
                   commit=common.git_commit(), command="python -m benchmarks.llamacpp " + " ".join(argv or sys.argv[1:]))
     text = report(result)
@@ -286,6 +294,18 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "llamacpp.md").write_text(text + "\n")
     print(text)
     return result
+
+
+def agreement_run(drafter: Path, verifier_dir: Path, out: Path, prompt_ids: dict, tokens: int, block: int) -> dict:
+    from trainer.evaluation.llamacpp import serve_and_evaluate
+
+    print(">> llama.cpp at T=0 (f32 KV caches)", flush=True)
+    served, _, generations = serve_and_evaluate(str(out / "gguf"), "f32", prompt_ids, kv_type="f32",
+                                                with_baseline=False, sampling={"temperature": 0.0},
+                                                max_new_tokens=tokens)
+    print(">> in process at T=0 (float32)", flush=True)
+    ours = in_process(drafter, verifier_dir, prompt_ids, tokens, generations)
+    return {"agreement": agreement(ours, generations, tokens, block), "llamacpp_results": served}
 
 
 if __name__ == "__main__":

@@ -383,6 +383,7 @@ class AcceptanceResults:
     other_drafters: dict = field(default_factory=dict)
     concurrency: int | None = None
     unmeasured: list[str] = field(default_factory=list)
+    last_block: str = "full"  # how the last step of a generation counts (files without the key count "full")
 
     @property
     def dataset_label(self) -> str:
@@ -550,5 +551,6 @@ def read_results(path: str | os.PathLike, block_size: int, verifier_id: str | No
         weighted=weighted, unweighted=unweighted, total_steps=total,
         other_drafters={k: v for k, v in others.items() if isinstance(v, dict)},
         concurrency=_number(data.get("concurrency"), "concurrency", path, integer=True), unmeasured=unmeasured,
+        last_block="clamped" if data.get("last_block") == "clamped" else "full",
     )
 

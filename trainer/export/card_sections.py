@@ -244,7 +244,7 @@ def _speedup(s: SubsetResult) -> float | None:
     return None
 
 
-_BACKENDS = {"transformers": "in-process", "vllm": "vLLM server"}
+_BACKENDS = {"transformers": "in-process", "vllm": "vLLM server", "llama.cpp": "llama.cpp server (CPU)"}
 
 
 _DRAFTS_AS = {"greedy": "greedy drafts as vLLM serves by default",
@@ -292,7 +292,9 @@ def _results_section(r: AcceptanceResults, block: int) -> str:
     if drafts:
         setup.append(drafts)
     if r.max_new_tokens:
-        setup.append(f"- Up to {r.max_new_tokens} new tokens per prompt")
+        setup.append(f"- Up to {r.max_new_tokens} new tokens per prompt" + (
+            "; the last blocks of a generation cut to the tokens left, as llama.cpp drafts them"
+            if r.last_block == "clamped" else ""))
     if r.backend:
         setup.append(f"- Backend: {r.backend}")
     if r.machine:
