@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--p-min", type=float, default=0.0,
-                        help="with --gguf: llama-server's --spec-draft-p-min, the confidence below which a drafted "
-                             "block is cut (0: never)")
+                        help="llama-server's --spec-draft-p-min, the confidence below which a drafted block is cut "
+                             "(0: never): with --gguf the server is started with it, with --server say the one it "
+                             "runs with (a subset whose every block was cut is then recorded, not refused)")
     parser.add_argument("--kv-type", default=None, choices=("f32", "f16", "bf16", "q8_0"),
                         help="with --gguf: the KV cache type of both models (llama.cpp's default: f16)")
     parser.add_argument("--threads", type=int, default=None, help="with --gguf: llama-server's -t")
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     kwargs = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, timeout=args.timeout)
     served: dict = {}
     if args.server:
-        results, _ = evaluate_llamacpp(args.server, prompt_ids, baseline=args.baseline, **kwargs)
+        results, _ = evaluate_llamacpp(args.server, prompt_ids, baseline=args.baseline, threshold=args.p_min > 0,
+                                       **kwargs)
     else:
         results, served, _ = serve_and_evaluate(args.gguf, args.outtype, prompt_ids, p_min=args.p_min,
                                              kv_type=args.kv_type, threads=args.threads,
