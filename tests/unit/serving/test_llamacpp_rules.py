@@ -135,3 +135,25 @@ def test_the_documented_server_command_is_the_one_export_gguf_prints(monkeypatch
     printed = shlex.split(serve_command(LlamaCpp(REPO_ROOT / ".llamacpp"), Path("out/demo/gguf/verifier-f32.gguf"),
                                         Path("out/demo/gguf/drafter-f32.gguf"), 4))
     assert shown == printed
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], r"pass either --gguf .* or --server"),
+    (["--gguf", "g", "--server", "http://127.0.0.1:1"], r"pass either --gguf .* or --server"),
+    (["--server", "http://127.0.0.1:1", "--max-new-tokens", "1"], r"--max-new-tokens must be at least 2"),
+    (["--server", "http://127.0.0.1:1", "--p-min", "1.5"], r"--p-min 1.5 is out of range"),
+])
+def test_evaluate_llamacpp_refuses_bad_flags_before_any_work(argv, expected, tmp_path):
+    from trainer.evaluation.llamacpp import main
+
+    with pytest.raises(UsageError, match=expected):
+        main([*argv, "--verifier", "v", "--out", str(tmp_path / "r.json")])
+
+
+def test_a_missing_gguf_pair_names_the_export_command(tmp_path):
+    from trainer.evaluation.llamacpp import gguf_pair
+
+    (tmp_path / "verifier-f16.gguf").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"drafter-f16.gguf does not exist; write the f16 pair with `python -m trainer "
+                                         r"export-gguf --outtypes f16"):
+        gguf_pair(str(tmp_path), "f16")
