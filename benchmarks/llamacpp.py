@@ -19,13 +19,12 @@
     alone on the same server binary, for the drafter as trained (calibrated confidence head) and with the
     calibration undone (`trainer.train.calibration.unfold_head`).
 
-Writes `<out>/llamacpp.json` and `<out>/llamacpp.md`; the last line of the report reads
-`llama.cpp vs in-process at T=0: ...`. Needs `make llamacpp-env`.
+Writes the protocol's JSON (`--json`, default out/benchmarks/llamacpp.json) and `<out>/llamacpp.md`; the last line
+of the report reads `llama.cpp vs in-process at T=0: ...`. Needs `make llamacpp-env` and a trained drafter.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -37,7 +36,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import common  # noqa: E402
-from trainer.errors import Parser, UsageError, run_cli  # noqa: E402
+from trainer.errors import UsageError  # noqa: E402
 
 
 def whole_block_committed(committed: list[int], max_new_tokens: int, block: int) -> list[int]:
@@ -238,9 +237,10 @@ def confidence_rows(head: str, gguf: Path, verifier_dir: Path, prompt_ids: dict,
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = Parser(prog="python -m benchmarks.llamacpp", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+NAME = "llamacpp"
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--drafter", default="out/demo/drafter", help="trained drafter checkpoint (make demo's)")
     parser.add_argument("--verifier", default=None, help="default: the one the drafter's config names")
     parser.add_argument("--prompts", default="data/demo/heldout")
@@ -249,16 +249,36 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--p-min", default="0,0.3,0.5,0.7", help="comma-separated --spec-draft-p-min values")
     parser.add_argument("--only", choices=("all", "agreement", "confidence"), default="all",
                         help="run (a) the T = 0 agreement, (b) the confidence sweep, or both")
-    parser.add_argument("--quick", action="store_true", help="one subset, one prompt, 24 tokens, p_min 0 and 0.5")
-    parser.add_argument("--out", default="out/bench-llamacpp")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default="out/bench-llamacpp",
+                        help="work folder: the GGUFs, the servers' logs and the Markdown report")
+
+
+def unavailable(args) -> str | None:
+    """Why this benchmark cannot run here (no llama.cpp build, no trained drafter), in one sentence."""
+    from trainer.serving.llamacpp import locate
+
+    if not (Path(args.drafter) / "config.json").is_file():
+        return (f"drafter {args.drafter} has no config.json; train one first (make demo) or pass --drafter "
+                f"(benchmarks.run: --bench-args 'llamacpp=--drafter DIR').")
+    try:
+        locate()
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def describe(result: dict) -> None:
+    print()
+    print(report(result))
+
+
+def run(args) -> dict:
     from configuration_dspark import DSparkConfig
     from trainer.evaluation.prompts import chat_prompt_ids, load_prompt_sets
-    from trainer.export.gguf import export_gguf, local_folder
+    from trainer.export.gguf import export_gguf
+    from trainer.verifier.loading import local_folder
 
     drafter = Path(args.drafter)
-    if not (drafter / "config.json").is_file():
-        raise UsageError(f"drafter {drafter} has no config.json; train one first (make demo) or pass --drafter.")
     config = DSparkConfig.from_pretrained(drafter)
     verifier_dir = local_folder(args.verifier or config.verifier_local_path or config.verifier_name_or_path,
                                 "verifier")
@@ -287,13 +307,26 @@ def main(argv: list[str] | None = None) -> dict:
         export_gguf(str(raw), str(out / "gguf-uncalibrated"), str(verifier_dir), ("f32",), check=False)
         result["confidence"] += confidence_rows("before calibration", out / "gguf-uncalibrated", verifier_dir,
                                                 prompt_ids, tokens, p_mins)
-    result.update(seconds=time.time() - started, machine=common.machine(), versions=common.versions(),
-                  commit=common.git_commit(), command="python -m benchmarks.llamacpp " + " ".join(argv or sys.argv[1:]))
-    text = report(result)
-    common.write_json(out / "llamacpp.json", result)
-    (out / "llamacpp.md").write_text(text + "\n")
-    print(text)
+    result["seconds"] = time.time() - started
+    (out / "llamacpp.md").write_text(report(result) + "\n")
+    result["table"] = table(result)
     return result
+
+
+def table(result: dict) -> list[list]:
+    """The protocol's `[name, value, unit, note]` rows: the agreement's totals and each threshold's speed."""
+    rows = []
+    if result["agreement"]:
+        a, b, sa, sb = totals(result["agreement"], "whole_block")
+        identical = sum(r["identical"] for r in result["agreement"].values())
+        prompts = sum(r["prompts"] for r in result["agreement"].values())
+        rows += [["T=0 generations identical", identical, f"of {prompts}", "llama.cpp vs in process"],
+                 ["whole-block acceptance, in process", a, "tokens/step", f"{sa} steps"],
+                 ["whole-block acceptance, llama.cpp", b, "tokens/step", f"{sb} steps"]]
+    for row in result["confidence"]:
+        rows.append([f"{row['head']}, p_min {row['p_min']:g}", row["speedup"], "x verifier alone",
+                     f"acceptance {common.fmt(row['acceptance_length'])}, {row['tokens_per_s']:.1f} tokens/s"])
+    return rows
 
 
 def agreement_run(drafter: Path, verifier_dir: Path, out: Path, prompt_ids: dict, tokens: int, block: int) -> dict:
@@ -309,4 +342,4 @@ def agreement_run(drafter: Path, verifier_dir: Path, out: Path, prompt_ids: dict
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    common.main(sys.modules[__name__])

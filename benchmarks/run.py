@@ -51,7 +51,8 @@ except ImportError as e:  # torch missing: not this package's environment
 
 from trainer.errors import Parser, run_cli  # noqa: E402
 
-BENCHMARKS = ("train_step", "loss_alone", "inference", "muon_step", "regeneration", "hidden_states", "gpu_step")
+BENCHMARKS = ("train_step", "loss_alone", "inference", "muon_step", "regeneration", "hidden_states", "gpu_step",
+              "llamacpp")
 ALIASES = {"loss": "loss_alone", "extraction": "inference", "drafting": "inference"}  # the section names of old
 DEFAULT = ("train_step", "loss", "extraction", "drafting")
 SCHEMA = "dspark-benchmarks/1"

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from trainer.export.gguf import local_folder
+    from trainer.verifier.loading import local_folder
 
     tokenizer = AutoTokenizer.from_pretrained(local_folder(args.verifier, "verifier"))
     subsets = [s.strip() for s in args.subsets.split(",")] if args.subsets else None

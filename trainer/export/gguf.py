@@ -68,23 +68,6 @@ def weight_names(directory: Path) -> set[str]:
     return names
 
 
-def local_folder(name: str, what: str) -> Path:
-    """A local transformers folder for `name` (a directory, a registered small model, or a Hub id in the cache):
-    the converter reads files, not Hub ids."""
-    from trainer.verifier.loading import resolve_pretrained
-
-    path, _ = resolve_pretrained(name, what)
-    if os.path.isdir(path):
-        return Path(path).resolve()
-    import huggingface_hub
-
-    try:
-        return Path(huggingface_hub.snapshot_download(path))
-    except Exception as e:  # noqa: BLE001 - any Hub failure is the same fix
-        raise UsageError(f"{what} {name} is not a local folder and could not be fetched ({type(e).__name__}); pass "
-                         f"the folder it was saved to.") from e
-
-
 def serve_command(llamacpp, verifier_gguf: Path, drafter_gguf: Path, block_size: int) -> str:
     """The llama-server command that serves a pair (paths relative to the working directory when under it)."""
     def shown(path: Path) -> str:
@@ -119,6 +102,7 @@ def export_gguf(drafter: str, out: str, verifier: str | None = None, outtypes: t
     from configuration_dspark import DSparkConfig
     from trainer.evaluation.in_process import run_selection
     from trainer.serving.llamacpp import VERSION, convert, locate
+    from trainer.verifier.loading import local_folder
 
     drafter_dir = Path(run_selection(drafter))
     if not (drafter_dir / "config.json").is_file():

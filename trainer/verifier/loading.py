@@ -171,3 +171,24 @@ def load_verifier_shell(name_or_path: str, dtype: str = "auto", device: str | to
         raise RuntimeError(f"the final norm of verifier {name_or_path} has buffers {stray} that are not in its "
                            f"checkpoint; train with the in-process source (train.hidden_states: in_process).")
     return model
+
+
+def local_folder(name: str, what: str):
+    """A local transformers folder for `name` (a directory, a registered small model, or a Hub id in the cache):
+    the converter reads files, not Hub ids."""
+    import os
+    from pathlib import Path
+
+    import huggingface_hub
+
+    from trainer.errors import UsageError
+
+    path, _ = resolve_pretrained(name, what)
+    if os.path.isdir(path):
+        return Path(path).resolve()
+
+    try:
+        return Path(huggingface_hub.snapshot_download(path))
+    except Exception as e:  # noqa: BLE001 - any Hub failure is the same fix
+        raise UsageError(f"{what} {name} is not a local folder and could not be fetched ({type(e).__name__}); pass "
+                         f"the folder it was saved to.") from e
