@@ -4,7 +4,7 @@ The tree follows the data flow, each subpackage one concern with its map in its 
 
     data/        chat rows -> the verifier's tokens -> packed rows; the draft vocabulary; regeneration
     verifier/    loading the verifier, the small pip-shipped models, its teacher distribution
-    serving/     vLLM transport: HTTP client, the extraction server, the CPU connector
+    serving/     vLLM transport (HTTP client, the extraction server, the CPU connector) and llama.cpp's server
     states/      the verifier's hidden states behind one interface (in process, vLLM, offline cache)
     train/       anchors, loss, optimizer, the Trainer, calibration, checkpoints
     evaluation/  acceptance measured by speculating (in process, vLLM) and the results format

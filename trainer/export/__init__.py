@@ -6,4 +6,5 @@
     card_sections.py  its sections, each from `CardInputs` alone
     card_usage.py     its usage section: serving with vLLM, decoding in process
     plots.py          the plots the card embeds
+    gguf.py           a checkpoint and its verifier as llama.cpp GGUF files, checked by serving them
 """

@@ -8,6 +8,7 @@ converter, and a llama-server started here.
                                that escalates from SIGTERM to SIGKILL (also on every failure path)
     complete(url, ids, ...)    one streamed /completion for prompt token ids: its tokens and verification steps
     spec_counters(url)         the server's draft counters at /metrics (`llamacpp:spec_decode_*`)
+    gguf_metadata(path)        a GGUF's scalar metadata, read with the converter venv's gguf reader
 
 llama.cpp's DSpark (`--spec-type draft-dspark`) reads the speculators checkpoint format this package writes: the
 converter merges `transformer_layer_config`, turns `aux_hidden_state_layer_ids` into its target layers, writes `d2t`
