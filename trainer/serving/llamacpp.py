@@ -33,6 +33,7 @@ from pathlib import Path
 
 from trainer import REPO_ROOT
 from trainer.errors import DSparkError, UsageError
+from trainer.files import atomic_path
 from trainer.serving.http import VLLMServerError, scrape_metrics, stream_events
 
 ENGINE = "llama.cpp"
@@ -127,11 +128,10 @@ def convert(llamacpp: LlamaCpp, model_dir: str | os.PathLike, outfile: str | os.
     (`<outfile>.log`) and its last error line is the message when it refuses."""
     outfile = Path(outfile)
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    part = outfile.with_name(outfile.name + ".part")
     log_path = outfile.with_name(outfile.name + ".log")
-    with tempfile.TemporaryDirectory(prefix="dspark-gguf-") as scratch:
+    with atomic_path(outfile) as part, tempfile.TemporaryDirectory(prefix="dspark-gguf-") as scratch:
         argv = [str(llamacpp.python), str(llamacpp.converter), str(converter_view(Path(model_dir), Path(scratch))),
-                "--outfile", str(part), "--outtype", outtype]
+                "--outfile", part, "--outtype", outtype]
         if target_model_dir is not None:
             target = converter_view(Path(target_model_dir), Path(scratch) / "target")
             argv += ["--target-model-dir", str(target)]
@@ -139,15 +139,12 @@ def convert(llamacpp: LlamaCpp, model_dir: str | os.PathLike, outfile: str | os.
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                                   env={**os.environ, "PYTHONNOUSERSITE": "1"})
         except subprocess.TimeoutExpired as e:
-            part.unlink(missing_ok=True)
             raise LlamaCppError(f"llama.cpp's converter did not finish {model_dir} in {timeout:.0f} s; convert a "
                                 f"smaller model or raise the timeout.") from e
-    log_path.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not part.is_file():
-        part.unlink(missing_ok=True)
-        raise LlamaCppError(f"llama.cpp's converter refused {model_dir} ({_last_error(proc.stderr + proc.stdout)}); "
-                            f"its log is {log_path}.")
-    os.replace(part, outfile)
+        log_path.write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0 or not os.path.isfile(part):
+            raise LlamaCppError(f"llama.cpp's converter refused {model_dir} "
+                                f"({_last_error(proc.stderr + proc.stdout)}); its log is {log_path}.")
     return outfile
 
 
