@@ -165,7 +165,7 @@ def last_user(body):
 
 def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_path):
     flaky, lock = {"p3": 2}, threading.Lock()  # p3 answers 503 twice, then succeeds; p5 always fails
-    last_answered = threading.Event()
+    r7_written = threading.Event()  # set when the writer receives r7, not when the server answers it
 
     def answer(body):
         prompt = last_user(body)
@@ -178,11 +178,9 @@ def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_p
         if prompt == "follow-up":  # the second turn sees the regenerated first reply
             assert body["messages"][-2] == assistant("reply to p0")
             return 200, completion("second reply", 3), 0.0
-        if prompt == "p0":  # p0 started first but finishes after the last row
-            assert last_answered.wait(timeout=120)
+        if prompt == "p0":  # p0 started first but is answered only once the last row reached the writer
+            assert r7_written.wait(timeout=120)
         finish = "length" if prompt == "p1" else "stop"
-        if prompt == "p7":
-            last_answered.set()
         return 200, completion(f" reply to {prompt} ", 8 if finish == "length" else 4, finish), 0.0
 
     server = StandIn(lambda path, body: answer(body))
@@ -194,6 +192,8 @@ def test_the_vllm_client_keeps_order_retries_and_counts(chat_verifier_dir, tmp_p
 
     def recording_add(self, index, record):
         completed.append(index)
+        if index == 7:
+            r7_written.set()
         return add(self, index, record)
 
     try:
