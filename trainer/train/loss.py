@@ -6,10 +6,12 @@ the teacher distribution (the verifier's own final norm, head and softcap), the 
 loss/metric reductions. Training, evaluation and tests all call these functions.
 
 The metrics measure what the verifier would accept, so they need the verifier's probabilities over its
-*full* vocabulary V, not only over the draft vocabulary Vd: per slot, the loss adds a no-gradient pass over
-the full output head for the log-normaliser (and argmax) of the tokens outside Vd. That pass costs V x H per slot
-(8x the draft head at V = 262,144, Vd = 32,000); `ObjectiveConfig.full_vocab_metrics=False` skips it on training
-batches whose loss does not read it (`needs_full_vocabulary`).
+*full* vocabulary V, not only over the draft vocabulary Vd: the loss adds a no-gradient pass over the full output
+head for the verifier's log-normaliser and argmax. That pass costs V x H per distinct teacher position (8x the
+draft head at V = 262,144, Vd = 32,000); `ObjectiveConfig.full_vocab_metrics=False` skips it on training batches
+whose loss does not read it (`needs_full_vocabulary`). All teacher work (norm, draft-vocabulary logits, the
+full-vocabulary pass) is done once per distinct position: the blocks of nearby anchors overlap, and the slots
+that share a position are processed side by side (slots are sorted by position).
 
 Speed and memory: the draft logits are a sum of linear maps (`DSparkDraftModel.logit_terms`), so `_DraftLoss`
 computes, chunk by chunk of supervised slots, the draft and teacher logits once, the loss terms, and the
@@ -55,14 +57,18 @@ def needs_full_vocabulary(config: ObjectiveConfig) -> bool:
 class _LossPlan:
     """Everything the draft-logit loss reads besides the logit terms, for `_DraftLoss` (one batch)."""
 
-    def __init__(self, teacher, head_weight, normed, data_targets, slot_weights, loss_weights, teacher_vocab,
-                 confidence_target, in_draft, full, rows, chunk_elements, vocab_size, draft_to_verifier):
+    def __init__(self, teacher, head_weight, normed, position_of_slot, full_pass, data_targets, slot_weights,
+                 loss_weights, teacher_vocab, confidence_target, full, rows, draft_to_verifier):
+        # `normed`: the teacher's normalised states, one per distinct position; `position_of_slot[i]` indexes it
+        # (non-decreasing: slots are in position order). `full_pass`: the verifier's full-vocabulary
+        # (log-normaliser, argmax id) per distinct position, or None (not needed, or Vd = V).
         self.teacher, self.head_weight, self.normed = teacher, head_weight, normed
+        self.position_of_slot, self.full_pass = position_of_slot, full_pass
         self.data_targets, self.slot_weights = data_targets, slot_weights
         self.lw = {name: float(loss_weights.get(name, 0.0)) for name in LOSS_NAMES}
         self.teacher_vocab, self.confidence_target = teacher_vocab, confidence_target
-        self.in_draft, self.full, self.rows, self.chunk_elements = in_draft, full, rows, chunk_elements
-        self.vocab_size, self.draft_to_verifier = vocab_size, draft_to_verifier
+        self.full, self.rows = full, rows
+        self.draft_to_verifier = draft_to_verifier
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -85,33 +91,34 @@ def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
     log_q = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: `logits` is this chunk's own
     q = log_q.exp()
     n, device, dtype = q.shape[0], q.device, q.dtype
-    t = plan.teacher.head_logits(plan.normed[sl], plan.head_weight)
-    t_max, t_arg = t.max(dim=-1)
-    log_z_draft = torch.logsumexp(t, dim=-1)
-    log_p_draft = t.sub_(log_z_draft.unsqueeze(-1))
-    p_draft = log_p_draft.exp()
+    # The teacher once per distinct position of the chunk (`u`), then gathered per slot: overlapping blocks share
+    # positions, and their slots sit side by side because the slots are in position order.
+    at = plan.position_of_slot[sl]
+    first = int(at[0])
+    u = at - first
+    log_p_u = plan.teacher.head_logits(plan.normed[first : int(at[-1]) + 1], plan.head_weight)
+    t_arg_u = log_p_u.argmax(dim=-1)
+    log_z_u = torch.logsumexp(log_p_u, dim=-1)
+    log_p_u.sub_(log_z_u.unsqueeze(-1))  # in place: the draft-vocabulary log-probabilities
+    p_draft = log_p_u[u].exp_()
+    t_arg, log_z_draft = t_arg_u[u], log_z_u[u]
     overlap_draft = torch.minimum(q, p_draft).sum(dim=-1)
     nan = torch.full((n,), math.nan, device=device, dtype=dtype)
-    log_coverage = p_full = log_p_full = None
+    log_coverage = None
     if plan.full:
-        if plan.in_draft is None:  # the draft vocabulary is all of V: nothing outside it
-            outside_log_z = outside_max = torch.full((n,), -math.inf, device=device, dtype=dtype)
-            outside_id = torch.full((n,), plan.vocab_size, dtype=torch.long, device=device)
-        else:  # no gradient: the full-vocabulary pass is never repeated for the backward
-            outside_log_z, outside_max, outside_id = plan.teacher.outside(plan.normed[sl], plan.in_draft,
-                                                                          plan.chunk_elements)
-        log_coverage = log_z_draft - torch.logaddexp(log_z_draft, outside_log_z)  # log sum_{Vd} p_full, <= 0
-        p_full = p_draft * log_coverage.exp().unsqueeze(-1)
-        overlap_full = torch.minimum(q, p_full).sum(dim=-1)
-        # The verifier's argmax is a draft token iff the best draft logit beats the best outside one (ties: lower id).
-        t_id = plan.draft_to_verifier(t_arg)
-        argmax_in_draft = (t_max > outside_max) | ((t_max == outside_max) & (t_id < outside_id))
-        greedy = ((q_arg == t_arg) & argmax_in_draft).to(dtype)
+        if plan.full_pass is None:  # the draft vocabulary is all of V: its normaliser and argmax are the verifier's
+            log_z_full, full_id = log_z_draft, plan.draft_to_verifier(t_arg)
+        else:
+            log_z_full, full_id = (x[at] for x in plan.full_pass)
+        # log sum_{Vd} p_full; clamped at 0 because the two heads' logits of the draft rows may round apart
+        log_coverage = (log_z_draft - log_z_full).clamp_(max=0.0)
         coverage = log_coverage.exp()
+        overlap_full = torch.minimum(q, p_draft * coverage.unsqueeze(-1)).sum(dim=-1)
+        greedy = (plan.draft_to_verifier(q_arg) == full_id).to(dtype)  # the draft's token is the verifier's argmax
     else:
         overlap_full = greedy = coverage = nan
     if plan.confidence_target == "greedy":
-        conf_target = (log_p_draft.gather(-1, q_arg.unsqueeze(-1)).squeeze(-1) + log_coverage).exp()
+        conf_target = (log_p_u[u, q_arg] + log_coverage).exp()
     elif plan.confidence_target == "greedy_t0":
         conf_target = greedy
     elif plan.confidence_target == "sampled":
@@ -120,16 +127,23 @@ def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
         conf_target = overlap_draft
     metrics = torch.stack([overlap_full, overlap_draft, greedy, coverage, conf_target], dim=-1)
 
-    if plan.teacher_vocab == "full":
-        log_p_full = log_p_draft + log_coverage.unsqueeze(-1)
-        p, log_p, overlap = p_full, log_p_full, overlap_full
+    # sum p log p over the draft vocabulary, once per position (`firsts`: each position's first slot)
+    if log_p_u.shape[0] == n:
+        entropy = _rowdot(p_draft, log_p_u)
     else:
-        p, log_p, overlap = p_draft, log_p_draft, overlap_draft
+        firsts = torch.searchsorted(u, torch.arange(log_p_u.shape[0], device=device))
+        entropy = _rowdot(p_draft[firsts], log_p_u)[u]
+    del log_p_u
+    if plan.teacher_vocab == "full":  # p_full = c p_draft, log p_full = log p_draft + log c (c: the coverage)
+        p = p_draft.mul_(coverage.unsqueeze(-1))
+        entropy = coverage * (entropy + log_coverage)
+        overlap = overlap_full
+    else:
+        p, overlap = p_draft, overlap_draft
     data_targets = plan.data_targets[sl]
     target = torch.where(data_targets >= 0, data_targets, t_arg)
     ce = -log_q.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    kl = _rowdot(p, log_p) - _rowdot(p, log_q)  # sum p (log p - log q), without two more [n, Vd] temporaries
-    del t, log_p_draft, log_p, log_p_full
+    kl = entropy - _rowdot(p, log_q)  # sum p (log p - log q), without two more [n, Vd] temporaries
     grad = None
     if want_grad:
         lw = plan.lw
@@ -227,15 +241,23 @@ def dspark_loss(
     slot = idx[2]
     S = slot.numel()
     positions = anchors.clamp(min=0)[idx[0], idx[1]] + slot  # p + k: the teacher's position
+    # Slots in (row, position) order: the slots of overlapping blocks that share a teacher position sit side by
+    # side, so the teacher's work (its norm, draft-vocabulary logits and the full-vocabulary pass) is done once per
+    # distinct position, not once per slot. Every per-slot result is scattered back through `idx`.
+    order = torch.argsort(idx[0] * teacher_hidden.shape[1] + positions, stable=True)
+    idx, positions = tuple(i[order] for i in idx), positions[order]
+    slot = idx[2]
+    distinct, position_of_slot = torch.unique_consecutive(idx[0] * teacher_hidden.shape[1] + positions,
+                                                          return_inverse=True)
     hidden = outputs.last_hidden_state[idx]
     previous = outputs.previous_token_ids[idx]
-    normed = teacher.normed(teacher_hidden[idx[0], positions])
+    normed = teacher.normed(teacher_hidden[distinct // teacher_hidden.shape[1], distinct % teacher_hidden.shape[1]])
     if config.ce_target == "data":
         data_targets = drafter.verifier_to_draft_ids(input_ids[idx[0], positions + 1])
     else:
         data_targets = torch.full_like(slot, -1)
-    in_draft = drafter.t2d if drafter.config.uses_draft_vocab else None  # None: the draft vocabulary is all of V
-    if in_draft is not None and teacher.output_weight is None:
+    reduced = drafter.config.uses_draft_vocab  # False: the draft vocabulary is all of V
+    if reduced and teacher.output_weight is None:
         raise ValueError("the teacher has no full-vocabulary output head, which a drafter with a reduced draft "
                          "vocabulary needs; build it as "
                          "Teacher(norm, softcap, verifier.get_output_embeddings().weight).")
@@ -243,10 +265,12 @@ def dspark_loss(
     dtype = torch.promote_types(outputs.last_hidden_state.dtype, torch.float32)
     weights = decay_weights(B, config.decay_gamma, device, dtype)[slot]
     vocab = drafter.lm_head.weight.shape[0]
-    plan = _LossPlan(teacher, drafter.lm_head.weight, normed, data_targets, weights, config.loss_weights,
-                     config.teacher_vocab, config.confidence_target, in_draft,
-                     full=in_draft is None or needs_full_vocabulary(config), rows=chunk_rows(config.chunk_elements, vocab),
-                     chunk_elements=config.chunk_elements, vocab_size=drafter.config.vocab_size,
+    full = not reduced or needs_full_vocabulary(config)
+    # no gradient, and computed once per distinct position for the whole batch (never again for the backward)
+    full_pass = teacher.full_vocabulary(normed, config.chunk_elements) if full and reduced and S else None
+    plan = _LossPlan(teacher, drafter.lm_head.weight, normed, position_of_slot, full_pass, data_targets, weights,
+                     config.loss_weights, config.teacher_vocab, config.confidence_target, full=full,
+                     rows=chunk_rows(config.chunk_elements, vocab),
                      draft_to_verifier=drafter.draft_to_verifier_ids)
     if S:
         features = outputs.previous_features[idx] if outputs.previous_features is not None else None

@@ -55,13 +55,12 @@ class Teacher:
         return self.head_logits(self.normed(last_hidden), head_weight)
 
     @torch.no_grad()
-    def outside(self, normed: torch.Tensor, in_draft: torch.Tensor, chunk_elements: int):
-        """Log-normaliser, largest logit and its verifier id over the tokens outside the draft vocabulary
-        (`in_draft`, the drafter's `t2d`), each `[n]`, computed over the full head in vocabulary chunks of
-        `chunk_elements // n` rows so no `[n, V]` tensor exists. The draft rows are masked out rather than
-        skipped (contiguous row slices are views of the shared head, never copies); their share of the
-        normaliser comes from the draft-row logits the loss computes anyway, so `logZ_full =
-        logaddexp(logZ_draft, logZ_outside)` and the draft vocabulary's mass never exceeds 1 by rounding."""
+    def full_vocabulary(self, normed: torch.Tensor, chunk_elements: int):
+        """Log-normaliser and argmax (verifier id) of the verifier's distribution over its whole vocabulary, each
+        `[n]`, from the full output head in vocabulary chunks of `chunk_elements // n` rows, so no `[n, V]` tensor
+        exists. One pass per chunk: the running max gives both the argmax and the logsumexp's shift (the lowest id
+        wins a tie, as argmax over the whole vocabulary does). Contiguous row slices are views of the shared head,
+        never copies."""
         weight = self.output_weight
         vocab, n = weight.shape[0], normed.shape[0]
         device = normed.device
@@ -72,17 +71,14 @@ class Teacher:
         best_id = torch.full((n,), vocab, dtype=torch.long, device=device)
         step = max(1, chunk_elements // max(n, 1))
         for start in range(0, vocab, step):
-            rows = weight[start : start + step]
-            drafted = in_draft[start : start + rows.shape[0]].to(device)
-            logits = self.head_logits(h, rows).masked_fill(drafted, -math.inf)
-            log_z = torch.logaddexp(log_z, torch.logsumexp(logits, dim=-1))
+            logits = self.head_logits(h, weight[start : start + step])
             value, index = logits.max(dim=-1)
-            better = value > best  # strict: the lowest id wins a tie, as argmax over the whole vocabulary
+            chunk_log_z = logits.sub_(value.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(value)
+            log_z = torch.logaddexp(log_z, chunk_log_z)
+            better = value > best  # strict: an earlier chunk's (lower) id keeps a tie
             best = torch.where(better, value, best)
             best_id = torch.where(better, index + start, best_id)
-        return log_z, best, best_id
-
-
+        return log_z, best_id
 
 
 def verifier_teacher(verifier: nn.Module) -> Teacher:
