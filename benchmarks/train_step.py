@@ -348,7 +348,7 @@ def run(args) -> dict:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (2 if args.quick else 5)
     work = args.work if args.work.is_absolute() else ROOT / args.work
-    runner = Runner(work, 1 + len(args.configs) * (2 * args.reps + 1))
+    runner = Runner(work, 1 + len(args.configs) * (len(IMPLS) + 1) * args.reps)
     import torch
 
     print(f"measuring the fp32 matmul peak ({common.cpu_model()}, {torch.get_num_threads()} threads) ...", flush=True)
