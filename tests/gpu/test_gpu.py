@@ -49,10 +49,21 @@ def test_flex_attention_in_bf16_matches_sdpa_forward_and_backward(gemma4_verifie
         assert cosine > 0.99, (name, float(cosine))
 
 
-def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path):
+def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path, monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     from trainer.config import RunConfig
     from trainer.run import train
 
+    # The run must really take the GPU path: flex attention (the trainer's GPU default) on bf16 queries (autocast)
+    seen = []
+    flex = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+
+    def spy(module, query, *args, **kwargs):
+        seen.append((query.dtype, query.device.type))
+        return flex(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flex_attention", spy)
     summary = train(RunConfig.load(None, [
         "--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir", str(tmp_path / "run"),
         "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -60,6 +71,7 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path):
         "--max_seq_length", "128", "--total_seq_length", "256", "--validation_ratio", "0.1", "--max_anchors", "16",
         "--learning_rate", "3e-3", "--max_steps", "20", "--eval_steps", "20", "--bf16", "auto"]))
     assert summary["global_step"] == 20
+    assert seen and set(seen) == {(torch.bfloat16, "cuda")}, set(seen)
     # the random chat verifier puts almost all its mass outside the draft vocabulary, so the draft-vocabulary
     # (restricted) estimate is the one that measures learning here
     import json

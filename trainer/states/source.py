@@ -29,13 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from modeling_dspark import index_within_runs
-from trainer.verifier.teacher import Teacher
+from trainer.verifier.teacher import FullVocabulary, Teacher
 
 
 @dataclass
 class VerifierStates:
     aux_hidden_states: torch.Tensor  # [R, T, k*H]
     last_hidden_state: torch.Tensor  # [R, T, H], before the verifier's final norm
+    # what is known of the full-vocabulary pass at these positions (a source that keeps rows across epochs)
+    full_vocabulary: FullVocabulary | None = None
 
 
 class HiddenStateSource(ABC):

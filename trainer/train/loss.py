@@ -34,7 +34,7 @@ from trainer.config import (
     ObjectiveConfig,
 )
 from trainer.train.anchors import block_supervision, decay_weights
-from trainer.verifier.teacher import Teacher, upcast
+from trainer.verifier.teacher import FullVocabulary, Teacher, upcast
 
 # Below this many slots per chunk, the logit matmuls over a large head are bound by reading the head's weights
 # (each chunk reads the [Vd, H] head three times), not by arithmetic.
@@ -221,6 +221,7 @@ def dspark_loss(
     teacher: Teacher,
     config: ObjectiveConfig,
     return_blocks: bool = False,
+    full_vocabulary: FullVocabulary | None = None,
 ):
     """Loss of one batch and its statistics vector (see `stat_names`); with `return_blocks`, also the
     `[R, N, B]` grids `supervised`, `confidence` (logits, None without a head) and `target` (the confidence
@@ -231,7 +232,8 @@ def dspark_loss(
     renormalised there (`teacher_vocab="draft"`) or as the verifier's full-vocabulary probabilities
     (`"full"`, not renormalised). The confidence target (no gradient) is the acceptance probability of the
     configured drafting mode; the confidence loss is not detached from the backbone. `drafter` is the
-    unwrapped model (its heads recompute logits per chunk).
+    unwrapped model (its heads recompute logits per chunk). `full_vocabulary` (`VerifierStates.full_vocabulary`)
+    supplies the full-vocabulary pass where a source already knows it, and receives the positions computed here.
     """
     B = config.block_size
     device = outputs.last_hidden_state.device
@@ -267,7 +269,12 @@ def dspark_loss(
     vocab = drafter.lm_head.weight.shape[0]
     full = not reduced or needs_full_vocabulary(config)
     # no gradient, and computed once per distinct position for the whole batch (never again for the backward)
-    full_pass = teacher.full_vocabulary(normed, config.chunk_elements) if full and reduced and S else None
+    full_pass = None
+    if full and reduced and S:
+        length = teacher_hidden.shape[1]
+        full_pass = (full_vocabulary.lookup(teacher, normed, distinct // length, distinct % length,
+                                            config.chunk_elements) if full_vocabulary is not None
+                     else teacher.full_vocabulary(normed, config.chunk_elements))
     plan = _LossPlan(teacher, drafter.lm_head.weight, normed, position_of_slot, full_pass, data_targets, weights,
                      config.loss_weights, config.teacher_vocab, config.confidence_target, full=full,
                      rows=chunk_rows(config.chunk_elements, vocab),

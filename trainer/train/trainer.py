@@ -119,6 +119,7 @@ class DSparkTrainer(Trainer):
             self.drafter(model), outputs, inputs["input_ids"], inputs["loss_mask"], inputs["document_ids"], anchors,
             states.last_hidden_state.to(device), self.source.teacher(), objective,
             **({"return_blocks": True} if return_blocks else {}),  # the plain call stays the plain signature
+            **({"full_vocabulary": states.full_vocabulary} if states.full_vocabulary is not None else {}),
         )
 
     def _check_finite(self, loss: torch.Tensor, inputs) -> None:

@@ -4,6 +4,7 @@ reads it; it lives with the verifier, not with the loss, so the states layer doe
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,40 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ teacher
+@dataclass
+class FullVocabulary:
+    """The verifier's full-vocabulary log-normaliser and argmax (verifier id) per position of a batch, `[R, T]`
+    each, NaN and -1 where not known yet.
+
+    They depend on the position's verifier state alone, so a source that keeps a row's states across epochs
+    (`MemoryRowCache`) keeps these too: the loss reads the known ones and writes the ones it computes into these
+    tensors in place, and the V x H pass then runs once per position of the data rather than once per distinct
+    position of every step."""
+
+    log_z: torch.Tensor  # [R, T], the states' dtype (at least fp32)
+    argmax: torch.Tensor  # [R, T] long
+
+    @classmethod
+    def unknown(cls, rows: int, length: int, dtype: torch.dtype) -> "FullVocabulary":
+        return cls(torch.full((rows, length), math.nan, dtype=torch.promote_types(dtype, torch.float32)),
+                   torch.full((rows, length), -1, dtype=torch.long))
+
+    def lookup(self, teacher: "Teacher", normed: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+               chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(log_z, argmax)` at the given positions (`normed`: their normalised states): read where known,
+        computed by `teacher.full_vocabulary` and written back where not."""
+        device = normed.device
+        rows, positions = rows.to(self.log_z.device), positions.to(self.log_z.device)
+        log_z, argmax = self.log_z[rows, positions], self.argmax[rows, positions]
+        missing = (argmax < 0).nonzero().squeeze(-1)
+        if missing.numel():
+            z, a = teacher.full_vocabulary(normed[missing.to(device)], chunk_elements)
+            log_z[missing], argmax[missing] = z.to(log_z), a.to(argmax.device)
+            self.log_z[rows[missing], positions[missing]] = log_z[missing]
+            self.argmax[rows[missing], positions[missing]] = argmax[missing]
+        return log_z.to(device), argmax.to(device)
+
+
 class Teacher:
     """The verifier's own next-token distribution, `softcap(final_norm(last_hidden) @ W_out^T)`.
 

@@ -62,6 +62,27 @@ def test_row_cache_returns_the_same_states_and_respects_its_budget(qwen3_verifie
     assert calls["n"] == 3 and tiny.bytes == 0  # over budget: nothing kept, recomputed
 
 
+def test_row_cache_keeps_what_the_loss_learns_of_the_full_vocabulary_pass(qwen3_verifier):
+    """The loss writes the positions it computes into the batch's `FullVocabulary`; the next batch with the same
+    rows (another order, another length) starts from them, and each batch's writes are kept in turn."""
+    cache = MemoryRowCache(InProcessVerifier(qwen3_verifier, [1, 3]), max_bytes=1 << 30)
+    batch = packed(1)
+    first = cache.states(batch).full_vocabulary
+    assert first.log_z.shape == (2, 30) and first.log_z.isnan().all() and (first.argmax == -1).all()
+    first.log_z[0, 3], first.argmax[0, 3] = 1.5, 7  # what a loss would write for row 5, position 3
+    again = {k: v.flip(0) for k, v in batch.items()}
+    again = {**again, "input_ids": torch.nn.functional.pad(again["input_ids"], (0, 4)),
+             "document_ids": torch.nn.functional.pad(again["document_ids"], (0, 4), value=-1)}
+    second = cache.states(again).full_vocabulary
+    assert second.log_z.shape == (2, 34)
+    assert second.log_z[1, 3] == 1.5 and second.argmax[1, 3] == 7  # row 5 is now the second row
+    assert (second.argmax >= 0).sum() == 1
+    second.argmax[0, 0], second.log_z[0, 0] = 2, 0.25  # row 9, position 0, learnt in the second batch
+    third = cache.states(batch).full_vocabulary
+    assert third.argmax[0, 3] == 7 and third.argmax[1, 0] == 2 and third.log_z[1, 0] == 0.25
+    assert first.argmax[1, 0] == -1  # each batch gets its own tensors; the cache follows the latest
+
+
 def test_verifier_shell_holds_exactly_the_embedding_norm_and_head(verifier, tmp_path):
     """The trainer's verifier when states come from servers or a cache: the tensors the drafter and the teacher
     read are the checkpoint's, everything else stays on meta (Gemma 4's composite layout and tied head too)."""

@@ -313,6 +313,69 @@ def test_chunked_gradients_equal_unchunked(gemma4_verifier):
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
 
 
+def test_a_known_full_vocabulary_pass_is_read_and_the_computed_one_written_back(gemma4_verifier):
+    """`FullVocabulary` (what a row cache knows of the V x H pass): the loss computes only the positions it does
+    not know, writes them back, and gives the same loss, statistics and gradients as without it (float64: the
+    batches of positions differ, so in fp32 the normalisers would differ by summation order)."""
+
+    try:
+        verifier = gemma4_verifier.double()
+        drafter = tiny_drafter(gemma4_verifier).double().train()
+        ids, positions, aux, last, anchors = batch(verifier, drafter, seed=3)
+        aux, last = aux.double(), last.double()
+        _check_known_full_vocabulary(drafter, teacher_of(verifier), ids, positions, aux, last, anchors)
+    finally:
+        gemma4_verifier.float()
+
+
+def _check_known_full_vocabulary(drafter, teacher, ids, positions, aux, last, anchors):
+    from trainer.verifier.teacher import FullVocabulary
+
+    computed = []
+    real = teacher.full_vocabulary
+
+    def counting(normed, chunk_elements):
+        computed.append(normed.shape[0])
+        return real(normed, chunk_elements)
+
+    teacher.full_vocabulary = counting
+    cfg = ObjectiveConfig(block_size=drafter.block_size, chunk_elements=333)
+    known = FullVocabulary.unknown(*ids.shape, last.dtype)
+    other = sample_anchors(MASK, DOCS, 3, generator=torch.Generator().manual_seed(11))
+
+    def step(anchors, full_vocabulary):
+        drafter.zero_grad()
+        out = drafter(ids, aux, anchors, document_ids=DOCS, position_ids=positions, return_logits=False)
+        kwargs = {"full_vocabulary": full_vocabulary} if full_vocabulary is not None else {}
+        loss, stats = dspark_loss(drafter, out, ids, MASK, DOCS, anchors, last, teacher, cfg, **kwargs)
+        loss.backward()
+        return loss.detach(), stats, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    def distinct(anchors) -> set:
+        r, j, k = block_supervision(MASK, DOCS, anchors, drafter.block_size).nonzero(as_tuple=True)
+        return set(zip(r.tolist(), (anchors[r, j] + k).tolist()))
+
+    for a in (anchors, other, anchors):  # new positions, some new ones, none new
+        before = set(zip(*(known.argmax >= 0).nonzero(as_tuple=True)))
+        before = {(int(r), int(p)) for r, p in before}
+        computed.clear()
+        with_known = step(a, known)
+        assert sum(computed) == len(distinct(a) - before)  # only what was not known yet
+        assert {(int(r), int(p)) for r, p in zip(*(known.argmax >= 0).nonzero(as_tuple=True))} == before | distinct(a)
+        fresh = step(a, None)
+        assert torch.allclose(with_known[0], fresh[0], rtol=1e-12)
+        assert torch.allclose(with_known[1], fresh[1], rtol=1e-12, atol=1e-14, equal_nan=True)
+        for name, grad in fresh[2].items():
+            assert torch.allclose(with_known[2][name], grad, rtol=1e-10, atol=1e-14), name
+    # what is written is the teacher's own pass at those positions
+    r, p = (known.argmax >= 0).nonzero(as_tuple=True)
+    log_z, argmax = real(teacher.normed(last[r, p]), 1 << 20)
+    assert torch.allclose(known.log_z[r, p], log_z, rtol=1e-12) and torch.equal(known.argmax[r, p], argmax)
+    # and what is known is what is used: a wrong "known" normaliser changes the full-vocabulary metrics
+    known.log_z[r, p] += 1.0
+    assert not torch.equal(step(anchors, known)[1], step(anchors, None)[1])
+
+
 def test_a_full_vocabulary_drafter_needs_no_second_head(gemma4_verifier):
     """Without a reduced draft vocabulary the draft rows are the whole head: coverage is 1 and the full and
     restricted metrics coincide; the teacher's own head is then optional."""
