@@ -357,6 +357,11 @@ class DSparkAttention(nn.Module):
         block_key, block_value = self._keys_values(hidden_states, cos, sin)
         key = torch.cat([context_kv[0].to(block_key.dtype), block_key], dim=2)
         value = torch.cat([context_kv[1].to(block_value.dtype), block_value], dim=2)
+        if torch.is_autocast_enabled(query.device.type):
+            # Under autocast the projections come out in the low precision but the q/k norms' fp32 weights upcast
+            # query and key again; sdpa re-casts its inputs itself, flex and eager do not: one dtype for every backend.
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         backend = _attention_backend(self.config)  # the live value, not the layer-config copy's
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(backend, eager_attention_forward)
         output, _ = attention(

@@ -375,6 +375,41 @@ def test_eager_matches_sdpa(gemma4_verifier, overrides):
     assert torch.allclose(sdpa.logits, eager.logits, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_under_autocast_every_attention_backend_gets_one_low_precision_dtype(gemma4_verifier, monkeypatch):
+    """GPU training runs fp32 master weights under bf16 autocast: the projections come out in bf16 but the q/k
+    norms' fp32 weights upcast query and key. sdpa re-casts its inputs itself; flex and eager do not, so the
+    attention casts all three to the autocast dtype (CPU autocast takes the same path)."""
+    drafter = tiny_drafter(gemma4_verifier)
+    seen = []
+
+    def spy(name, attention):
+        def recorded(module, query, key, value, *args, **kwargs):
+            if isinstance(module, modeling_dspark.DSparkAttention):
+                seen.append((name, query.dtype, key.dtype, value.dtype))
+            return attention(module, query, key, value, *args, **kwargs)
+
+        return recorded
+
+    interfaces = modeling_dspark.ALL_ATTENTION_FUNCTIONS
+    monkeypatch.setattr(modeling_dspark, "eager_attention_forward", spy("eager", modeling_dspark.eager_attention_forward))
+    for name in ("sdpa", "flex_attention"):
+        monkeypatch.setitem(interfaces, name, spy(name, interfaces[name]))
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, drafter)
+    for impl in ("eager", "sdpa", "flex_attention"):
+        drafter.config._attn_implementation = impl
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+        assert torch.isfinite(out.logits.float()).all()
+    drafter.config._attn_implementation = "sdpa"
+    layers = drafter.config.num_hidden_layers
+    assert [s[0] for s in seen] == ["eager"] * layers + ["sdpa"] * layers + ["flex_attention"] * layers
+    assert {s[1:] for s in seen} == {(torch.bfloat16,) * 3}
+    seen.clear()
+    drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)  # no autocast: fp32 throughout
+    assert {s[1:] for s in seen} == {(torch.float32,) * 3}
+
+
 def test_attention_backend_follows_the_live_config(gemma4_verifier, monkeypatch):
     """Setting `drafter.config._attn_implementation` after construction switches the attention function every
     layer calls (and the mask built for it), with the same outputs."""
