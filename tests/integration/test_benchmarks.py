@@ -105,3 +105,30 @@ def test_quick_benchmark_run_compares_identical_steps_and_reports_every_section(
         assert data[module]["table"], f"{module} reported nothing"
     rows = {row[0] for row in data["inference"]["table"]}
     assert any("draft()" in name for name in rows) and any("states" in name for name in rows), sorted(rows)
+
+
+@pytest.mark.slow
+def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_table(tmp_path):
+    """`make gpu-check GPU_CHECK_ARGS=--cpu-smoke`, the command as a user types it: every part runs on tiny CPU
+    shapes (the gpu tests are collected and skipped here: no CUDA), and both objectives really differ."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check",
+                           f"GPU_CHECK_ARGS=--cpu-smoke --quick --json {out}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert all(key in data for key in PROVENANCE) and data["benchmark"] == "gpu_check" and data["smoke"]
+    assert data["matrix_rate"]["flops_per_s"] > 0 and data["matrix_rate"]["dtype"] == "float32"
+    tests = data["gpu_tests"]
+    assert tests["returncode"] == 0 and tests["counts"].get("skipped", 0) >= 3 and not tests["counts"].get("failed")
+    default, matched = data["ours"]["default"], data["ours"]["matched"]
+    for result in (default, matched):
+        assert result["losses_finite"] and result["step_median_s"] > 0 and result["mfu_measured_rate"] > 0
+    assert default["objective"]["confidence_target"] == "greedy" and default["objective"]["full_vocab_metrics"]
+    assert matched["objective"]["confidence_target"] == "sampled_restricted"
+    assert not matched["objective"]["full_vocab_metrics"]
+    assert "not installed" in data["speculators"]["not_run"]
+    table = (tmp_path / "gpu_check.md").read_text().splitlines()
+    assert table[0] == "| measurement | value | unit | note |" and len(table) == len(data["table"]) + 2
+    assert any(line.startswith("| ours, default objective: step |") for line in table)
+    assert f"table: {out.with_suffix('.md')}" in proc.stdout or "gpu_check.md" in proc.stdout

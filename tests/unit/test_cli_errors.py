@@ -374,6 +374,8 @@ EVERY_CLI = [
     # benchmarks.gpu_step, loss_alone, muon_step: no required argument and no input file
     ("benchmarks.gpu_step", "unknown flag", ["--no-such-flag"], UNKNOWN),
     ("benchmarks.gpu_step", "wrong type", ["--steps", "abc"], "argument --steps: " + NOT_INT),
+    ("benchmarks.gpu_check", "unknown flag", ["--no-such-flag"], UNKNOWN),
+    ("benchmarks.gpu_check", "wrong type", ["--steps", "abc"], "argument --steps: " + NOT_INT),
     ("benchmarks.loss_alone", "unknown flag", ["--no-such-flag"], UNKNOWN),
     ("benchmarks.loss_alone", "wrong type", ["--repeats", "abc"], "argument --repeats: " + NOT_INT),
     ("benchmarks.loss_alone", "wrong list", ["--quick", "--vocab", "abc"],
