@@ -85,7 +85,7 @@ def gpu_tests(timeout: float) -> dict:
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", output)}
     result = {"command": " ".join(command[1:]), "returncode": proc.returncode, "counts": counts,
               "seconds": time.perf_counter() - start, "tail": output.strip().splitlines()[-25:]}
-    if proc.returncode not in (0,):
+    if proc.returncode != 0:
         result["failed"] = f"the gpu tests failed (pytest exit status {proc.returncode}): {counts}."
     return result
 

@@ -240,20 +240,19 @@ def dspark_loss(
     supervised = block_supervision(loss_mask, document_ids, anchors, B)  # [R, N, B]
     rows, n_anchors = anchors.shape
     idx = supervised.nonzero(as_tuple=True)  # (r, j, k)
-    slot = idx[2]
-    S = slot.numel()
-    positions = anchors.clamp(min=0)[idx[0], idx[1]] + slot  # p + k: the teacher's position
-    # Slots in (row, position) order: the slots of overlapping blocks that share a teacher position sit side by
-    # side, so the teacher's work (its norm, draft-vocabulary logits and the full-vocabulary pass) is done once per
-    # distinct position, not once per slot. Every per-slot result is scattered back through `idx`.
-    order = torch.argsort(idx[0] * teacher_hidden.shape[1] + positions, stable=True)
-    idx, positions = tuple(i[order] for i in idx), positions[order]
-    slot = idx[2]
-    distinct, position_of_slot = torch.unique_consecutive(idx[0] * teacher_hidden.shape[1] + positions,
-                                                          return_inverse=True)
+    S = idx[2].numel()
+    length = teacher_hidden.shape[1]
+    # Slots in (row, position) order: the slots of overlapping blocks that share a teacher position (p + k) sit side
+    # by side, so the teacher's work (its norm, draft-vocabulary logits and the full-vocabulary pass) is done once
+    # per distinct position, not once per slot. Every per-slot result is scattered back through `idx`.
+    key = idx[0] * length + anchors.clamp(min=0)[idx[0], idx[1]] + idx[2]
+    order = torch.argsort(key, stable=True)
+    idx = tuple(i[order] for i in idx)
+    slot, positions = idx[2], key[order] % length
+    distinct, position_of_slot = torch.unique_consecutive(key[order], return_inverse=True)
     hidden = outputs.last_hidden_state[idx]
     previous = outputs.previous_token_ids[idx]
-    normed = teacher.normed(teacher_hidden[distinct // teacher_hidden.shape[1], distinct % teacher_hidden.shape[1]])
+    normed = teacher.normed(teacher_hidden[distinct // length, distinct % length])
     if config.ce_target == "data":
         data_targets = drafter.verifier_to_draft_ids(input_ids[idx[0], positions + 1])
     else:
@@ -271,7 +270,6 @@ def dspark_loss(
     # no gradient, and computed once per distinct position for the whole batch (never again for the backward)
     full_pass = None
     if full and reduced and S:
-        length = teacher_hidden.shape[1]
         full_pass = (full_vocabulary.lookup(teacher, normed, distinct // length, distinct % length,
                                             config.chunk_elements) if full_vocabulary is not None
                      else teacher.full_vocabulary(normed, config.chunk_elements))
