@@ -143,6 +143,15 @@ class DSparkConfig(PreTrainedConfig):
     verifier_text_config: dict | None = None
 
     def __post_init__(self, **kwargs):
+        # speculators saves its other algorithms (eagle3, dflash, ...) in the same format; reading one as DSpark
+        # would silently drop or misplace its weights
+        algorithm = (self.speculators_config or {}).get("algorithm") or "dspark"
+        if self.speculators_model_type != "dspark" or algorithm != "dspark":
+            found = algorithm if algorithm != "dspark" else self.speculators_model_type
+            raise ValueError(
+                f"this is a speculators {found!r} checkpoint, not a DSpark drafter; only DSpark drafters "
+                f"(speculators_model_type 'dspark') load here, so train or pick a DSpark one."
+            )
         layer = copy.deepcopy(DEFAULT_LAYER_CONFIG)
         given = self.transformer_layer_config
         if isinstance(given, PreTrainedConfig):
@@ -399,25 +408,33 @@ class DSparkConfig(PreTrainedConfig):
             overrides["mask_token_id"] = resolve_mask_token_id(tokenizer, text, v_vocab)
         if local_path is not None and overrides.get("verifier_local_path") is None:
             overrides["verifier_local_path"] = local_path
-        architectures = list(getattr(vcfg, "architectures", None) or ([architecture] if architecture else []))
-        snapshot = {
-            "model_type": getattr(text, "model_type", None),
-            "architectures": architectures,
-            "hidden_size": v_hidden,
-            "num_hidden_layers": v_layers,
-            "vocab_size": v_vocab,
-            "final_logit_softcapping": _field(text, "final_logit_softcapping"),
-            "tie_word_embeddings": bool(getattr(vcfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
-        }
+        snapshot = verifier_snapshot(vcfg, architecture)
         return cls(
             transformer_layer_config=layer,
-            speculators_config={"verifier": {"name_or_path": verifier_name_or_path, "architectures": architectures}},
+            speculators_config={"verifier": {"name_or_path": verifier_name_or_path,
+                                             "architectures": snapshot["architectures"]}},
             verifier_text_config=snapshot,
             **overrides,
         )
 
 
 # ---------------------------------------------------------------------- helpers (also used by the trainer)
+def verifier_snapshot(vcfg: PreTrainedConfig, architecture: str | None = None) -> dict:
+    """`verifier_text_config`: what a drafter must know of its verifier to check a pairing and to train and
+    export without loading it (hidden size, layers, vocabulary, softcap, family). A drafter saved by
+    speculators has none; `DSparkDraftModel.attach_verifier` fills it from the verifier it is attached to."""
+    text = vcfg.get_text_config()
+    return {
+        "model_type": getattr(text, "model_type", None),
+        "architectures": list(getattr(vcfg, "architectures", None) or ([architecture] if architecture else [])),
+        "hidden_size": _field(text, "hidden_size"),
+        "num_hidden_layers": _field(text, "num_hidden_layers"),
+        "vocab_size": _field(text, "vocab_size"),
+        "final_logit_softcapping": _field(text, "final_logit_softcapping"),
+        "tie_word_embeddings": bool(getattr(vcfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
+    }
+
+
 def default_layer_types(num_layers: int) -> list[str]:
     """Seed-recipe pattern: sliding layers, with the last layer full attention (bidirectional in the block)."""
     return [SLIDING] * (num_layers - 1) + [FULL]

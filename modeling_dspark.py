@@ -46,9 +46,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 try:
-    from .configuration_dspark import SLIDING, DSparkConfig, check_aux_layer_ids
+    from .configuration_dspark import SLIDING, DSparkConfig, check_aux_layer_ids, verifier_snapshot
 except ImportError:  # imported as a top-level module (the package layout) rather than as remote code
-    from configuration_dspark import SLIDING, DSparkConfig, check_aux_layer_ids
+    from configuration_dspark import SLIDING, DSparkConfig, check_aux_layer_ids, verifier_snapshot
 
 
 # ================================================================================================
@@ -660,7 +660,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """Share the verifier's input embedding (raw rows, no copy) and fill `lm_head` with its output rows.
 
         Checks the pairing first: hidden size, vocabulary, layer count (aux ids must exist) and, when the
-        config carries a verifier snapshot, the softcap.
+        config carries a verifier snapshot, the softcap. A drafter saved by speculators carries no snapshot; it
+        gets this verifier's, so training, evaluation and export know the softcap and family from here on.
         """
         cfg = self.config
         text = verifier.config.get_text_config()
@@ -689,6 +690,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         head = verifier.get_output_embeddings()
         if embedding is None or head is None:
             raise ValueError(f"{type(verifier).__name__} exposes no input/output embeddings; pass the causal-LM model.")
+        if not cfg.verifier_text_config:
+            cfg.verifier_text_config = verifier_snapshot(verifier.config, type(verifier).__name__)
         self._verifier_embedding = embedding.weight.detach()
         self._verifier_output = head.weight.detach()
         self._fill_lm_head()

@@ -432,9 +432,9 @@ def run(args) -> dict:
                          f"pass --max-new-tokens >= 2 and --prompts >= 1.")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.drafter:
-        from trainer.verifier.loading import resolve_pretrained
+        from trainer.verifier.loading import resolve_drafter
 
-        resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)  # refused before the verifier loads
+        resolve_drafter(args.drafter)  # refused before the verifier loads
     import torch
 
     if args.threads:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trainer.evaluation import vllm as vllm_eval
     from trainer.evaluation.results import ordered
     from trainer.serving.server import ServerProcess, ServerSpec, free_port
-    from trainer.verifier.loading import resolve_pretrained
+    from trainer.verifier.loading import resolve_drafter
     from trainer.verifier.small_models import resolve_model
 
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     # a missing drafter or prompt set is refused here, not after two vLLM servers took minutes to start
-    resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)
+    resolve_drafter(args.drafter)
     acceptance.load_prompt_sets(args.prompts, args.subsets.split(",") if args.subsets else None, args.max_prompts)
     os.makedirs(args.out, exist_ok=True)
     config = DSparkConfig.from_pretrained(args.drafter)

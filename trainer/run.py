@@ -67,7 +67,7 @@ from trainer.train.trainer import (
     DSparkTrainer,
     args_barrier,
 )
-from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_pretrained
+from trainer.verifier.loading import load_verifier, load_verifier_shell, resolve_drafter, resolve_pretrained
 from trainer.verifier.small_models import resolve_model
 
 logger = logging.getLogger("dspark")
@@ -430,7 +430,7 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
         check_local_data(source, m.verifier)
     check_report_to(t.report_to)
     if m.init_from:
-        resolve_pretrained(m.init_from, "init_from drafter", trust_remote_code=True)
+        resolve_drafter(m.init_from, "init_from drafter")
         adopt_init_from(config)
     verifier_path, verifier_config = resolve_pretrained(m.verifier, "verifier")
     text = verifier_config.get_text_config()

@@ -248,38 +248,40 @@ def calls_with(keyword: str):
                         yield path, node.lineno, ast.unparse(node), kw.value, tree
 
 
-def enclosing_function(tree, line: int) -> ast.FunctionDef | None:
-    found = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.lineno <= line <= node.end_lineno:
-            found = node if found is None or node.lineno > found.lineno else found
-    return found
-
-
 def test_no_verifier_load_in_the_package_passes_trust_remote_code():
-    """`trust_remote_code` may be true only for a drafter (this package's own code): `AutoModel` (the drafter's
-    auto class; a verifier is an `AutoModelForCausalLM`) or `resolve_pretrained(..., "<...drafter>", ...)`; the one
-    place that forwards a variable is `resolve_pretrained` itself, whose default is False."""
+    """`trust_remote_code` may be true only in `AutoModel.from_pretrained` (the drafter's auto class: this package's
+    own remote code, which a user of the exported folder runs anyway; a verifier is an `AutoModelForCausalLM`).
+    A drafter's config is read by this package's `DSparkConfig` (`resolve_drafter`), never through `AutoConfig`."""
     offending, seen = [], 0
-    for path, line, source, value, tree in calls_with("trust_remote_code"):
+    for path, line, source, value, _tree in calls_with("trust_remote_code"):
         seen += 1
         where = f"{path.relative_to(ROOT)}:{line}: {source}"
         if isinstance(value, ast.Constant) and value.value in (False, None):
             continue
         if source.startswith("AutoModel.from_pretrained("):
             continue
-        if source.startswith("resolve_pretrained(") and "drafter" in source.split(",")[1]:
-            continue
-        function = enclosing_function(tree, line)
-        if isinstance(value, ast.Name) and function is not None and function.name == "resolve_pretrained":
-            params = function.args.args
-            default = function.args.defaults[[p.arg for p in params][-len(function.args.defaults):].index(value.id)]
-            if isinstance(default, ast.Constant) and default.value is False:
-                continue
         offending.append(where)
-    assert seen >= 4 and offending == []
+    assert seen >= 1 and offending == []
     for path in package_files():  # nor the vLLM server flag, in a command the package builds or prints
         assert "--trust-remote-code" not in path.read_text(), path
+
+
+def test_a_drafter_folders_own_config_code_never_runs(qwen3_verifier, tmp_path):
+    """A drafter folder as speculators saves it (`auto_map` to a `config.py` beside it), here with code that leaves
+    a marker: evaluating, continuing and exporting read it with this package's classes, so the code never runs."""
+    from modeling_dspark import DSparkDraftModel
+    from tiny import tiny_drafter
+    from trainer.verifier.loading import resolve_drafter
+
+    directory, marker = tmp_path / "drafter", tmp_path / "remote-code-ran"
+    tiny_drafter(qwen3_verifier).save_pretrained(directory)
+    (directory / "config.py").write_text(EVIL.format(marker=str(marker)))
+    data = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**data, "auto_map": {"": "config.EvilConfig"}}))
+    path, config = resolve_drafter(str(directory))
+    drafter = DSparkDraftModel.from_pretrained(path)
+    assert type(config).__name__ == "DSparkConfig" and type(drafter).__name__ == "DSparkDraftModel"
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------------------------------------ (c) secrets

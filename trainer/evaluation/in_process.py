@@ -310,14 +310,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from configuration_dspark import DSparkConfig
     from modeling_dspark import DSparkDraftModel
-    from trainer.verifier.loading import load_verifier, resolve_pretrained
+    from trainer.verifier.loading import load_verifier, resolve_drafter, resolve_pretrained
 
     # Everything that can be refused is refused before either model's weights are loaded.
     args.drafter = run_selection(args.drafter)
-    drafter_path, _ = resolve_pretrained(args.drafter, "drafter", trust_remote_code=True)
-    dconfig = DSparkConfig.from_pretrained(drafter_path)
+    drafter_path, dconfig = resolve_drafter(args.drafter)
     verifier_name = args.verifier or dconfig.verifier_local_path or dconfig.verifier_name_or_path
     if not verifier_name:
         raise UsageError("the drafter's config names no verifier; pass --verifier <hub id or directory>.")

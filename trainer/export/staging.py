@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import struct
@@ -196,6 +197,23 @@ def _run_config(checkpoint: Checkpoint) -> tuple[dict | None, str | None]:
     return run_config if isinstance(run_config, dict) else None, hashlib.sha256(raw).hexdigest()
 
 
+def verifier_snapshot_for(verifier: str) -> dict | None:
+    """The verifier snapshot a checkpoint saved by speculators lacks (the card reads the verifier's family from
+    it), from the verifier's config when it can be read here; without it the export goes on and the card leaves
+    out the family-specific serving notes."""
+    from configuration_dspark import verifier_snapshot
+    from trainer.verifier.loading import resolve_pretrained
+
+    try:
+        _, config = resolve_pretrained(verifier, "verifier")
+    except DSparkError as e:
+        logging.getLogger(__name__).warning("the checkpoint has no verifier snapshot (saved by speculators) and the "
+                                            "verifier's config cannot be read here (%s); the card omits the "
+                                            "verifier-family notes", e)
+        return None
+    return verifier_snapshot(config)
+
+
 def stage(checkpoint: Checkpoint, folder: Path, *, repo_id: str, verifier_id: str | None = None,
           eval_results: list[str | os.PathLike] = (), license: str = "apache-2.0", revision: str | None = None,
           remote_code_check: bool = True) -> Staged:
@@ -222,6 +240,10 @@ def stage(checkpoint: Checkpoint, folder: Path, *, repo_id: str, verifier_id: st
         raise CheckpointError(f"{checkpoint.path} does not match this package's DSparkDraftModel (missing "
                               f"{sorted(info['missing_keys'])}, unexpected {sorted(info['unexpected_keys'])}); export "
                               f"it with the package version that trained it.")
+    if not model.config.verifier_text_config:
+        # the folder the drafter was trained against, when it is here, over the Hub id it will be served with
+        saved = model.config.verifier_local_path or model.config.verifier_name_or_path
+        model.config.verifier_text_config = verifier_snapshot_for(saved if saved and os.path.isdir(saved) else verifier)
     model = model.to(torch.bfloat16)
     model.config.speculators_config["verifier"]["name_or_path"] = verifier
     model.config.verifier_local_path = None  # machine-specific; vLLM reads the Hub id above

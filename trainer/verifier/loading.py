@@ -53,16 +53,45 @@ def generation_kwargs(sampling: dict, max_new_tokens: int, pad_token_id: int | N
     return kwargs
 
 
-def resolve_pretrained(name: str, what: str = "verifier", trust_remote_code: bool = False):
+def resolve_pretrained(name: str, what: str = "verifier"):
     """`(path, config)` for a model given as a local directory, a registered small model or a Hub id, reading
-    only its config (nothing heavy), or one sentence saying why it cannot be loaded and what to pass instead.
+    only its config (nothing heavy, and never the repo's own code), or one sentence saying why it cannot be
+    loaded and what to pass instead. Drafters go through `resolve_drafter`."""
+    from transformers import AutoConfig
 
-    `trust_remote_code` only for drafters (their config class is this package's own remote code, which the user
-    runs anyway to load them); a verifier's config is read without executing any repo code."""
+    return _read_config(name, what, AutoConfig.from_pretrained)
+
+
+def resolve_drafter(name: str, what: str = "drafter"):
+    """`(path, DSparkConfig)` for a drafter saved by this package or by speculators (whose config.json has no
+    `model_type` and an `auto_map` to speculators' own `config.py`, which `AutoConfig` cannot read without running
+    it). The config is read with this package's `DSparkConfig` directly, so no code from the drafter's folder
+    runs; a checkpoint that is not a servable DSpark drafter (another speculators algorithm, a gated or rnn Markov
+    head) is refused in one sentence."""
+    import json
+
+    from configuration_dspark import DSparkConfig
+    from trainer.errors import UsageError
+
+    def read(path: str) -> DSparkConfig:
+        try:
+            return DSparkConfig.from_pretrained(path)
+        except ValueError as e:
+            if isinstance(e, json.JSONDecodeError):
+                raise
+            # DSparkConfig's own checks: one sentence with the fix already
+            raise UsageError(f"{what} {name} cannot be used: {e}") from e
+
+    return _read_config(name, what, read)
+
+
+def _read_config(name: str, what: str, read):
+    """The one place a model name becomes `(path, config)`: a missing directory, a file, a folder without
+    config.json, an unreadable config, an offline Hub and a Hub failure each get their own sentence. `read`'s
+    OSError or ValueError means the file could not be read."""
     import os
 
     import huggingface_hub
-    from transformers import AutoConfig
 
     from configuration_dspark import is_hub_id
     from trainer.errors import UsageError
@@ -84,7 +113,9 @@ def resolve_pretrained(name: str, what: str = "verifier", trust_remote_code: boo
     elif not is_hub_id(path):
         raise UsageError(f"{what} directory {name} does not exist (and it is not a Hub id); check the path.")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = read(path)
+    except UsageError:
+        raise
     except (OSError, ValueError) as e:
         if os.path.isdir(path):
             raise UsageError(f"{what} directory {name} holds no readable config.json "

@@ -1,4 +1,5 @@
-"""Our checkpoints load in speculators 0.9.0 with identical weights and an identical forward.
+"""Our checkpoints load in speculators 0.9.0, and speculators' own load in our DSparkDraftModel, with identical
+weights and an identical forward.
 
 speculators pins transformers<=5.19.0 and torchvision, so it lives in its own venv (`make speculators-env`,
 created by `make test`); the check runs there as a subprocess and reports JSON. Marker `speculators`: skipped
@@ -34,4 +35,11 @@ def test_speculators_loads_our_checkpoint_and_computes_the_same_forward(tmp_path
         assert r["embedding_from_verifier_float32"] and r["embedding_from_verifier_bfloat16"]
         for key in ("max_abs_diff_hidden", "max_abs_diff_logits", "max_abs_diff_confidence"):
             assert r[key] < 2e-5, (verifier, key, r[key])
+    # and the other way round: drafters speculators built and saved itself, read by our DSparkDraftModel
+    for name, draft_vocab in (("theirs-dspark-full", 512), ("theirs-dspark-reduced", 100)):
+        r = report[name]
+        assert r["weights_identical_float32"] and r["unexpected_keys"] == [] and r["draft_vocab_size"] == draft_vocab
+        assert r["logit_scale"] > 0.5  # a real forward, not zeros
+        for key in ("max_abs_diff_hidden", "max_abs_diff_logits", "max_abs_diff_confidence"):
+            assert r[key] < 2e-5, (name, key, r[key])
     assert proc.returncode == 0
