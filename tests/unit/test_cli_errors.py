@@ -399,22 +399,62 @@ EVERY_CLI = [
 ]
 
 
-@pytest.mark.parametrize("entry, case, args, cause", EVERY_CLI, ids=[f"{e} {c}" for e, c, _, _ in EVERY_CLI])
-def test_every_cli_prints_one_line_and_exits_2(entry, case, args, cause, tmp_path):
+def cli_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "DSPARK_DEBUG"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return env
+
+
+def assert_refused(returncode: int, stderr: str, cause: str, wrote: list) -> None:
+    assert returncode == 2, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and cause in lines[-1], stderr[-2000:]
+    assert "Traceback" not in stderr and "usage:" not in stderr
+    assert not wrote, f"a refused command wrote {wrote} into its working directory"
+
+
+def script_path(entry: str) -> str:
+    return str(ROOT / entry) if entry.endswith(".py") else entry
+
+
+def test_every_cli_prints_one_line_and_exits_2(tmp_path):
+    """Every case of EVERY_CLI, run as its command line runs it (`runpy` as `__main__`, its own working directory
+    and argv) in one process for all of them (tests/cli_cases.py), so the suite imports torch once, not per case."""
+    cases = []
+    for i, (entry, _, args, _) in enumerate(EVERY_CLI):
+        (tmp_path / f"case-{i}").mkdir()
+        cases.append({"entry": script_path(entry), "args": args, "cwd": str(tmp_path / f"case-{i}")})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_cases.py"), str(tmp_path / "cases.json"),
+                           str(tmp_path / "results.json")], capture_output=True, text=True, env=cli_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == len(EVERY_CLI)
+    failures = []
+    for (entry, case, _, cause), r in zip(EVERY_CLI, results, strict=True):
+        try:
+            assert_refused(r["returncode"], r["stderr"], cause, r["wrote"])
+        except AssertionError as e:
+            failures.append(f"{entry} {case}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+# One case per kind of entry in a fresh process of its own: a script by path, a package command, a module.
+FRESH = [case for case in EVERY_CLI if (case[0], case[1]) in {
+    ("trainer/run.py", "unknown flag"), ("push_to_hub.py", "missing file"), ("evaluate", "missing file"),
+    ("benchmarks.train_step", "missing subcommand")}]
+
+
+@pytest.mark.parametrize("entry, case, args, cause", FRESH, ids=[f"{e} {c}" for e, c, _, _ in FRESH])
+def test_a_cli_in_a_fresh_process_prints_one_line_and_exits_2(entry, case, args, cause, tmp_path):
     if entry.endswith(".py"):
         command = [str(ROOT / entry)]
     else:  # a package command (`python -m trainer <command>`) or a benchmark module
         command = ["-m", "trainer", entry] if "." not in entry else ["-m", entry]
-    env = {k: v for k, v in os.environ.items() if k != "DSPARK_DEBUG"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, *command, *args], cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: ") and cause in lines[-1], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
-    assert not any(tmp_path.iterdir()), "a refused command wrote into its working directory"
+    proc = subprocess.run([sys.executable, *command, *args], cwd=tmp_path, capture_output=True, text=True,
+                          env=cli_env(), timeout=300)
+    assert_refused(proc.returncode, proc.stderr, cause, sorted(os.listdir(tmp_path)))
 
 
 def test_the_shared_parser_names_the_fix():
