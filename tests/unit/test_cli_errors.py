@@ -4,13 +4,14 @@ is loaded, and never touches earlier outputs when it refuses."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trainer.errors import run_cli
+from trainer.errors import UsageError, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -172,6 +173,16 @@ def drafter_dir(tmp_path_factory, qwen3_verifier):
     path = tmp_path_factory.mktemp("drafter") / "d"
     tiny_drafter(qwen3_verifier).save_pretrained(path)
     return path
+
+
+def test_a_folder_that_is_not_a_drafter_is_named_as_such(chat_verifier_dir):
+    """The verifier's folder passed as the drafter: refused at once, not read as a DSpark config with defaults
+    (which failed later with "the drafter's config names no verifier")."""
+    from trainer.verifier.loading import resolve_drafter
+
+    with pytest.raises(UsageError, match=f"^drafter {re.escape(chat_verifier_dir)} is not a drafter \\(its "
+                                         f"config.json describes a 'llama' model\\); pass a folder saved by"):
+        resolve_drafter(chat_verifier_dir)
 
 
 def test_acceptance_refuses_before_loading_models(drafter_dir, chat_verifier_dir, qwen3_verifier, tmp_path, capsys,

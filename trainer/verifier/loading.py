@@ -74,6 +74,11 @@ def resolve_drafter(name: str, what: str = "drafter"):
     from trainer.errors import UsageError
 
     def read(path: str) -> DSparkConfig:
+        raw, _ = DSparkConfig.get_config_dict(path)
+        if "speculators_model_type" not in raw:  # a verifier's folder, say: read as DSpark, it fails far later
+            kind = f"describes a {raw['model_type']!r} model" if raw.get("model_type") else "has no speculators_model_type"
+            raise UsageError(f"{what} {name} is not a drafter (its config.json {kind}); pass a folder saved by this "
+                             f"package or by speculators.")
         try:
             return DSparkConfig.from_pretrained(path)
         except ValueError as e:
