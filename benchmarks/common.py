@@ -441,7 +441,8 @@ PROTOCOL = """Every benchmark is a module benchmarks/<NAME>.py with
                        sentence makes the command fail after the result is written
 and optionally QUICK_ARGS (what `benchmarks.run --quick` passes it, default ["--quick"]), IN_PROCESS (True when
 it starts a fresh process per measurement itself, so benchmarks.run calls `run` directly instead of starting it
-in a fresh process) and describe(result) (more than the table, printed after it). `write_result` writes every
+in a fresh process; such a module also names its COMMAND line) and describe(result) (more than the table, printed
+last). `write_result` writes every
 result with its date, machine (CPU model and flags), command, versions and git commit."""
 
 RESULT_SCHEMA = "dspark-benchmark/1"
@@ -492,10 +493,10 @@ def execute(module, args, command: str) -> dict:
     record = write_result(path, module.NAME, result, command, args.quick)
     print()
     print_table(result.get("table", []))
-    describe = getattr(module, "describe", None)
-    if describe:
-        describe(result)
     print(f"\nresult: {rel(path)}", flush=True)
+    describe = getattr(module, "describe", None)
+    if describe:  # last, so a benchmark's headline line is the command's last line
+        describe(result)
     if result.get("failed"):
         raise RuntimeError(result["failed"])
     return record

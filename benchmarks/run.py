@@ -21,6 +21,9 @@ skips, with one sentence, one whose prerequisite is missing here (a GPU, the spe
     gpu_step       one training step of the seed recipe's drafter on a GPU (needs CUDA; --quick: the CPU smoke)
     gpu_check      make gpu-check: matrix rate, the gpu tests, our step on both objectives (needs CUDA; --quick:
                    the CPU smoke)
+    recipe         make bench-recipe: a drafter trained by this package against one trained by speculators 0.9.0
+                   from the same data and states, both evaluated on the held-out demo prompts (needs
+                   .venv-speculators; hours at its defaults, --quick: minutes)
 
 The default set is train_step, loss, extraction and drafting (train_step, loss_alone, inference). One JSON report
 (date, machine, git commit, every benchmark's result with its own provenance and raw measurements) goes to
@@ -55,7 +58,7 @@ except ImportError as e:  # torch missing: not this package's environment
 from trainer.errors import Parser, run_cli  # noqa: E402
 
 BENCHMARKS = ("train_step", "loss_alone", "inference", "muon_step", "regeneration", "hidden_states", "gpu_step",
-              "gpu_check", "llamacpp")
+              "gpu_check", "llamacpp", "recipe")
 ALIASES = {"loss": "loss_alone", "extraction": "inference", "drafting": "inference"}  # the section names of old
 DEFAULT = ("train_step", "loss", "extraction", "drafting")
 SCHEMA = "dspark-benchmarks/1"
@@ -75,7 +78,8 @@ def benchmark_argv(name: str, module, args) -> list[str]:
         argv += ["--warmup", str(args.warmup)] if args.warmup is not None else []
         argv += ["--steps", str(args.steps)] if args.steps is not None else []
         argv += ["--fresh-inputs"] if args.fresh_inputs else []
-        argv += ["--speculators-python", args.speculators_python] if args.speculators_python else []
+    if name in ("train_step", "recipe") and args.speculators_python:
+        argv += ["--speculators-python", args.speculators_python]
     if name in ("regeneration", "hidden_states") and args.vllm_python:
         argv += ["--vllm-python", args.vllm_python]
     for target, flags in args.bench_args:
@@ -171,7 +175,7 @@ def main(argv=None) -> None:
             if getattr(module, "IN_PROCESS", False):
                 print(f"{name}:", flush=True)
                 parsed.json = out
-                common.execute(module, parsed, " ".join(["python -m benchmarks.train_step compare", *bench_argv]))
+                common.execute(module, parsed, " ".join([module.COMMAND, *bench_argv]))
             else:
                 runner(f"benchmarks.{name}", command, name, timeout=args.timeout)
             try:

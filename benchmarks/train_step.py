@@ -78,6 +78,7 @@ from trainer.errors import Parser, run_cli
 
 NAME = "train_step"
 IN_PROCESS = True  # it starts a fresh process per measurement itself
+COMMAND = "python -m benchmarks.train_step compare"  # its command line alone (benchmarks.run records it)
 CONFIGS = ("small", "large")
 IMPLS = ("ours", "speculators")
 # the package's default objective, and the same with the full-vocabulary pass already known (the row cache's

@@ -335,6 +335,32 @@ def run(config: RunConfig, trainer: DSparkTrainer, drafter: DSparkDraftModel, so
     return summary
 
 
+def validation_metrics(config: RunConfig, drafter: str) -> dict:
+    """The teacher-forced validation metrics (`eval_accept_len`, `eval_pos_k`, the confidence head's calibration,
+    ...) of an existing drafter, saved by this package or by speculators, on `config`'s validation split: the same
+    data path, hidden-state source and evaluation step a training run of `config` uses, with no training. This is
+    how drafters trained elsewhere are put on equal terms with ours (benchmarks/recipe.py). The drafter's
+    architecture is adopted as `init_from` adopts it; `train.output_dir` is only the Trainer's scratch directory."""
+    config.model.init_from = drafter
+    config.model.lora_rank = 0
+    verifier_path = preflight(config)
+    transformers.set_seed(config.train.seed)
+    args = build_training_arguments(config, has_validation=True)
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    data = build_data(config, tokenizer, verifier_path, args)
+    if data.eval_rows is None:
+        raise UsageError(f"the run config's validation split is empty, so drafter {drafter} cannot be evaluated on "
+                         f"it; set data.validation_ratio above 0 (e.g. 0.1).")
+    verifier = build_verifier(config, verifier_path, args.device)
+    model_drafter, model = build_models(config, verifier, tokenizer, None, args.device)
+    source = build_source(config, verifier, model_drafter.config.aux_hidden_state_layer_ids)
+    try:
+        trainer = build_trainer(config, args, model, model_drafter, tokenizer, source, data)
+        return trainer.evaluate()
+    finally:
+        close_source(source)
+
+
 def build_objective(config: RunConfig, block_size: int | None = None):
     """The loss settings, with the teacher and confidence-target choices of the train section."""
     try:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_BENCHMARKS = {"common", "run", "speculators_step"}  # the protocol, the driver, train_step's other side
+NOT_BENCHMARKS = {"common", "run", "speculators_step", "speculators_recipe"}  # the protocol, the driver, the
+# speculators sides of train_step and recipe
 PROVENANCE = ("schema", "benchmark", "date", "command", "quick", "machine", "versions", "git")
 
 
@@ -105,6 +106,54 @@ def test_quick_benchmark_run_compares_identical_steps_and_reports_every_section(
         assert data[module]["table"], f"{module} reported nothing"
     rows = {row[0] for row in data["inference"]["table"]}
     assert any("draft()" in name for name in rows) and any("states" in name for name in rows), sorted(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.speculators
+def test_quick_recipe_benchmark_trains_both_packages_on_the_same_data_and_evaluates_them_alike(tmp_path):
+    """Both sides train from one vocabulary, one set of rows and one states cache, each with its own defaults (the
+    speculators side really is speculators: its resolved loss and anchors, its own save_pretrained), and one
+    evaluator measures both; the headline is the ratio of the two weighted T = 0 acceptance lengths."""
+    import numpy as np
+    from conftest import speculators_python
+    from safetensors.torch import load_file
+
+    work, report = tmp_path / "work", tmp_path / "recipe.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.recipe", "--quick", "--seeds", "0", "--work", str(work),
+                           "--json", str(report), "--speculators-python", speculators_python()], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert all(key in data for key in PROVENANCE) and data["benchmark"] == "recipe" and data["quick"]
+    ours, theirs = data["runs"]["ours"]["0"], data["runs"]["speculators"]["0"]
+    assert ours["global_step"] == theirs["global_step"] == data["steps"] == 4
+    # speculators' own defaults, resolved by its own TrainConfig
+    assert theirs["resolved"]["loss_fn"] == "kl_div" and theirs["resolved"]["max_anchors"] == 512
+    assert theirs["argv"][:2] == ["speculators", "train"]
+    saved = json.loads((work / "speculators-seed0" / "drafter" / "config.json").read_text())
+    assert "model_type" not in saved and saved["speculators_model_type"] == "dspark", "saved by speculators itself"
+    # one draft vocabulary: the one speculators was given is the one our run chose
+    given = np.flatnonzero(np.load(work / "data" / "t2d.npy"))
+    for drafter in (work / "ours-seed0", work / "speculators-seed0" / "drafter"):
+        d2t = load_file(str(drafter / "model.safetensors"))["d2t"].numpy()
+        assert (d2t + np.arange(d2t.size) == given).all(), drafter
+    for side in (ours, theirs):
+        t0 = side["held_out_t0"]
+        assert t0["steps"] > 0 and t0["fidelity_steps_differing"] == 0 and t0["sampling"]["temperature"] == 0
+        assert side["held_out_sampled"]["sampling"]["temperature"] > 0
+        assert 1.0 <= side["validation"]["accept_len"] <= 5.0
+    sides = data["sides"]
+    ratio = sides["ours"]["held_out_t0"]["mean"] / sides["speculators"]["held_out_t0"]["mean"]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == (f"held-out acceptance vs speculators: {ratio:.2f}x (ours {sides['ours']['held_out_t0']['mean']:.3f}"
+                    f", speculators {sides['speculators']['held_out_t0']['mean']:.3f}, T=0, 4 steps each)"), last
+    # a rerun with the same settings reuses every finished stage
+    again = subprocess.run([sys.executable, "-m", "benchmarks.recipe", "--quick", "--seeds", "0", "--work", str(work),
+                            "--json", str(report), "--speculators-python", speculators_python()], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count(": reused (") == 1 + 2 + 4, again.stdout
+    assert again.stdout.strip().splitlines()[-1] == last
 
 
 @pytest.mark.slow
