@@ -61,11 +61,15 @@ def add_arguments(parser) -> None:
     common.speculators_python_argument(parser)
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps per side (default: the config's run length, epochs x training rows)")
-    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds; each trains both sides (default 0,1)")
+    parser.add_argument("--seeds", type=seeds_of, default=[0, 1],
+                        help="comma-separated seeds; each trains both sides (default 0,1)")
     parser.add_argument("--prompts", type=int, default=None, help="held-out prompts per subset at T = 0 (default all)")
     parser.add_argument("--sampled-prompts", type=int, default=5,
                         help="held-out prompts per subset at vLLM's default sampling (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--attribution", type=attribution_rows, default=[],
+                        help=f"also train ours with one of speculators' settings at a time and evaluate at T = 0: a "
+                             f"comma-separated subset of {','.join(ATTRIBUTION)}, or all (default: none)")
     parser.add_argument("--work", type=Path, default=None,
                         help="rows, cache, drafters, evaluations and logs (default out/benchmarks/recipe, --quick: "
                              "out/benchmarks/recipe-quick)")
@@ -80,13 +84,28 @@ def unavailable(args) -> str | None:
 
 
 def seeds_of(text: str) -> list[int]:
+    """`--seeds`: distinct integers, comma-separated (an argparse type: a bad value is refused at parse time)."""
+    import argparse
+
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         seeds = []
     if not seeds or len(set(seeds)) != len(seeds):
-        raise BenchmarkError(f"--seeds {text!r} is not a comma-separated list of distinct integers; pass e.g. 0,1.")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of distinct integers; pass e.g. 0,1")
     return seeds
+
+
+def attribution_rows(text: str) -> list[str]:
+    """`--attribution`: rows of ATTRIBUTION, comma-separated, or all (an argparse type)."""
+    import argparse
+
+    rows = list(ATTRIBUTION) if text == "all" else [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ATTRIBUTION]
+    if unknown or not rows:
+        raise argparse.ArgumentTypeError(f"{text!r} names {unknown or 'nothing'}; use a comma-separated subset of "
+                                         f"{','.join(ATTRIBUTION)}, or all")
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------- stage 1
@@ -217,10 +236,24 @@ def spread(values: list[float]) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------- run
+# Attribution: one difference between the two recipes each, switched to speculators' setting on our side alone
+# (`trainer/run.py` overrides; None: no training, the default run's last checkpoint instead of its best).
+ATTRIBUTION = {
+    "loss": ("speculators' loss: KL alone (ours: 0.1 CE + 0.9 TV)", ["--loss_weights", '{"kl": 1.0}']),
+    "schedule": ("speculators' learning rate and schedule: 1e-3, linear, 1% warm-up (ours: 5e-3, cosine, 4%)",
+                 ["--learning_rate", "1e-3", "--lr_scheduler_type", "linear", "--warmup_ratio", "0.01"]),
+    "confidence": ("speculators' confidence target: sampled_restricted (ours: greedy)",
+                   ["--confidence_target", "sampled_restricted"]),
+    "anchors": ("speculators' anchor count: 512 (ours: 64 per document; 512 takes every candidate of these rows)",
+                ["--max_anchors", "512"]),
+    "last": ("speculators' checkpoint choice: the last step (ours: the best validation accept_len)", None),
+}
+
+
 def run(args) -> dict:
     from trainer.train.checkpoints import read_summary
 
-    seeds = seeds_of(args.seeds)
+    seeds, rows = args.seeds, args.attribution
     work = (args.work or ROOT / "out" / "benchmarks" / ("recipe-quick" if args.quick else "recipe")).resolve()
     overrides = list(QUICK_OVERRIDES) if args.quick else []
     q = QUICK if args.quick else {}
@@ -232,68 +265,90 @@ def run(args) -> dict:
                         ("--max-new-tokens", max_new)):
         if value is not None and value < 1:
             raise BenchmarkError(f"{flag} must be at least 1, got {value}.")
-    evaluations = 2 * len(seeds) * 2
-    runner = Runner(work, total=1 + 2 * len(seeds) + evaluations)
+    trainings = sum(ATTRIBUTION[r][1] is not None for r in rows)
+    runner = Runner(work, total=1 + len(seeds) * (2 + 4 + 2 * trainings + len(rows) - trainings))
     stage = Stages(runner)
     py = sys.executable
 
     print("[ 0] preparing the shared rows and draft vocabulary", flush=True)
     shape = prepare(work, overrides)
     steps = q.get("steps") or args.steps or shape["config_steps"]
+    names = [f"ours-seed{s}" for s in seeds] + [f"speculators-seed{s}" for s in seeds] + [
+        f"ours-{r}-seed{s}" for r in rows for s in seeds if ATTRIBUTION[r][1] is not None]
     stage(f"states cache ({shape['train_conversations'] + shape['validation_conversations']} conversations)",
           [py, "-m", "trainer", "states-cache", "--config", str(CONFIG), *overrides, "--cache_dir",
-           str(work / "cache")], "cache", work / "cache", shape, args.timeout,
-          tuple(work / f"{impl}-seed{seed}" for impl in ("ours", "speculators") for seed in seeds))
+           str(work / "cache")], "cache", work / "cache", shape, args.timeout, tuple(work / n for n in names))
 
-    runs: dict[str, dict[int, dict]] = {"ours": {}, "speculators": {}}
+    def evaluations_of(name: str) -> tuple[Path, Path]:
+        return work / "eval" / f"{name}-t0.json", work / "eval" / f"{name}-sampled.json"
 
-    def evaluations_of(impl: str, seed: int) -> tuple[Path, Path]:
-        return work / "eval" / f"{impl}-seed{seed}-t0.json", work / "eval" / f"{impl}-seed{seed}-sampled.json"
-
-    for seed in seeds:
-        out = work / f"ours-seed{seed}"
-        stage(f"ours, seed {seed}, {steps} steps", [
-            py, str(ROOT / "trainer" / "run.py"), "--config", str(CONFIG), *overrides, "--output_dir", str(out),
-            "--overwrite_output_dir", "true", "--max_steps", str(steps), "--seed", str(seed), "--hidden_states",
-            "cache", "--states_cache_dir", str(work / "cache"), "--cache_verifier_states_gb", "0"],
-            f"ours-seed{seed}", out, shape, args.timeout, evaluations_of("ours", seed))
+    def train_ours(name: str, seed: int, extra: list[str]) -> dict:
+        out = work / name
+        stage(f"{name}, {steps} steps", [
+            py, str(ROOT / "trainer" / "run.py"), "--config", str(CONFIG), *overrides, *extra, "--output_dir",
+            str(out), "--overwrite_output_dir", "true", "--max_steps", str(steps), "--seed", str(seed),
+            "--hidden_states", "cache", "--states_cache_dir", str(work / "cache"), "--cache_verifier_states_gb", "0"],
+            name, out, shape, args.timeout, evaluations_of(name))
         summary = read_summary(out)
-        runs["ours"][seed] = {"drafter": out, "process_s": summary["wall_time_s"], "global_step": summary["global_step"],
-                              "train_s": summary["global_step"] / summary["train_steps_per_second"],
-                              "train_loss": summary["train_loss"], "best_checkpoint": summary["best_checkpoint"]}
-        out = work / f"speculators-seed{seed}"
-        stage(f"speculators, seed {seed}, {steps} steps", [
+        return {"drafter": out, "process_s": summary["wall_time_s"], "global_step": summary["global_step"],
+                "train_s": summary["global_step"] / summary["train_steps_per_second"],
+                "train_loss": summary["train_loss"], "best_checkpoint": summary["best_checkpoint"], "overrides": extra}
+
+    def train_theirs(name: str, seed: int) -> dict:
+        out = work / name
+        stage(f"{name}, {steps} steps", [
             args.speculators_python, "-m", "benchmarks.speculators_recipe", "--work", str(work), "--verifier",
             shape["verifier_path"], "--steps", str(steps), "--seed", str(seed), "--out", str(out)],
-            f"speculators-seed{seed}", out, shape, args.timeout, evaluations_of("speculators", seed))
+            name, out, shape, args.timeout, evaluations_of(name))
         theirs = json.loads((out / "result.json").read_text())
-        runs["speculators"][seed] = {"drafter": out / "drafter", "process_s": theirs["process_s"],
-                                     "global_step": theirs["steps"], "train_s": theirs["train_s"],
-                                     "train_loss": mean(theirs["losses"]), "resolved": theirs["resolved"],
-                                     "argv": theirs["argv"]}
+        return {"drafter": out / "drafter", "process_s": theirs["process_s"], "global_step": theirs["steps"],
+                "train_s": theirs["train_s"], "train_loss": mean(theirs["losses"]), "resolved": theirs["resolved"],
+                "argv": theirs["argv"]}
 
+    def evaluate(name: str, r: dict, seed: int, sampled: bool) -> None:
+        base = [py, "-m", "trainer", "evaluate", "--drafter", str(r["drafter"]), "--verifier", shape["verifier_path"],
+                "--prompts", str(HELDOUT), "--max-new-tokens", str(max_new), *subset_args]
+        greedy_out, sampled_out = evaluations_of(name)
+        stage(f"{name}: held-out, T = 0", [
+            *base, "--temperature", "0", *(["--max-prompts", str(greedy_prompts)] if greedy_prompts else []),
+            "--out", str(greedy_out)], f"eval-{name}-t0", greedy_out, shape, args.timeout)
+        r["held_out_t0"] = held_out(greedy_out)
+        if sampled:
+            stage(f"{name}: held-out, vLLM's default sampling", [
+                *base, *vllm_default_sampling(shape["verifier_path"]), "--draft-method", "greedy", "--seed", str(seed),
+                "--max-prompts", str(sampled_prompts), "--out", str(sampled_out)], f"eval-{name}-sampled",
+                sampled_out, shape, args.timeout)
+            r["held_out_sampled"] = held_out(sampled_out)
+        print(f"     {name}: teacher-forced validation metrics", flush=True)
+        r["validation"] = validation(work, overrides, r["drafter"], name)
+        r["drafter"] = rel(r["drafter"])
+
+    runs: dict[str, dict[int, dict]] = {"ours": {}, "speculators": {}}
+    for seed in seeds:
+        runs["ours"][seed] = train_ours(f"ours-seed{seed}", seed, [])
+        runs["speculators"][seed] = train_theirs(f"speculators-seed{seed}", seed)
     for impl, by_seed in runs.items():
         for seed, r in by_seed.items():
-            base = [py, "-m", "trainer", "evaluate", "--drafter", str(r["drafter"]), "--verifier",
-                    shape["verifier_path"], "--prompts", str(HELDOUT), "--max-new-tokens", str(max_new), *subset_args]
-            greedy, sampled = evaluations_of(impl, seed)
-            stage(f"{impl}, seed {seed}: held-out, T = 0", [
-                *base, "--temperature", "0", *(["--max-prompts", str(greedy_prompts)] if greedy_prompts else []),
-                "--out", str(greedy)], f"eval-{impl}-seed{seed}-t0", greedy, shape, args.timeout)
-            stage(f"{impl}, seed {seed}: held-out, vLLM's default sampling", [
-                *base, *vllm_default_sampling(shape["verifier_path"]), "--draft-method", "greedy", "--seed",
-                str(seed), "--max-prompts", str(sampled_prompts),
-                "--out", str(sampled)], f"eval-{impl}-seed{seed}-sampled", sampled, shape, args.timeout)
-            r["held_out_t0"] = held_out(greedy)
-            r["held_out_sampled"] = held_out(sampled)
-            print(f"     {impl}, seed {seed}: teacher-forced validation metrics", flush=True)
-            r["validation"] = validation(work, overrides, r["drafter"], f"{impl}-seed{seed}")
-            r["drafter"] = rel(r["drafter"])
+            evaluate(f"{impl}-seed{seed}", r, seed, sampled=True)
+    attribution: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        extra = ATTRIBUTION[row][1]
+        attribution[row] = {}
+        for seed in seeds:
+            if extra is None:
+                last = work / f"ours-seed{seed}" / f"checkpoint-{steps}"
+                if not (last / "config.json").is_file():
+                    raise BenchmarkError(f"the default run of seed {seed} kept no checkpoint of its last step ({rel(last)}); "
+                                         f"its save_total_limit removed it, so the 'last' row cannot be measured.")
+                r = {"drafter": last, "overrides": None}
+            else:
+                r = train_ours(f"ours-{row}-seed{seed}", seed, extra)
+            evaluate(f"ours-{row}-seed{seed}", r, seed, sampled=False)
+            attribution[row][seed] = r
+    return summarize(runs, attribution, shape, steps, seeds, args.quick)
 
-    return summarize(runs, shape, steps, seeds, args.quick)
 
-
-def summarize(runs: dict, shape: dict, steps: int, seeds: list[int], quick: bool) -> dict:
+def summarize(runs: dict, attribution: dict, shape: dict, steps: int, seeds: list[int], quick: bool) -> dict:
     """Means over seeds (and their spread), the per-subset table and the headline ratio."""
     def over_seeds(impl: str, get) -> list[float]:
         return [get(r) for r in runs[impl].values()]
@@ -332,11 +387,28 @@ def summarize(runs: dict, shape: dict, steps: int, seeds: list[int], quick: bool
         table.append([f"{label}: ours", o["mean"], "tokens/step", note])
     table.append(["training time: ours", sides["ours"]["train_s"]["mean"], "s",
                   f"speculators {sides['speculators']['train_s']['mean']:.1f} s ({steps} steps each)"])
+    base = sides["ours"]["held_out_t0"]
+    noise = max([base["spread"] or 0.0] + [sides["speculators"]["held_out_t0"]["spread"] or 0.0])
+    rows = {}
+    for row, by_seed in attribution.items():
+        values = [r["held_out_t0"]["weighted"] for r in by_seed.values()]
+        delta = mean(values) - base["mean"]
+        row_spread = spread(values)
+        within = abs(delta) <= max(noise, row_spread or 0.0) if len(seeds) > 1 else None
+        rows[row] = {"label": ATTRIBUTION[row][0], "overrides": ATTRIBUTION[row][1], "mean": mean(values),
+                     "values": values, "spread": row_spread, "delta": delta, "within_noise": within,
+                     "validation_accept_len": mean([r["validation"]["accept_len"] for r in by_seed.values()])}
+        verdict = {None: "one seed: noise unknown", True: "within the seed noise", False: "beyond the seed noise"}
+        table.append([f"attribution, {ATTRIBUTION[row][0]}", mean(values), "tokens/step",
+                      f"{delta:+.3f} vs ours ({verdict[within]}"
+                      + (f", spread {row_spread:.3f})" if row_spread is not None else ")")])
     table.append(["held-out acceptance vs speculators (T = 0)", ratio, "x", f"{len(seeds)} seed(s)"])
     line = (f"held-out acceptance vs speculators: {ratio:.2f}x (ours {ours:.3f}, speculators {theirs:.3f}, T=0, "
             f"{steps} steps each)")
     return {"quick": quick, "steps": steps, "seeds": seeds, "shape": shape, "runs": {
         impl: {str(s): r for s, r in by_seed.items()} for impl, by_seed in runs.items()},
+        "attribution": {row: {**rows[row], "runs": {str(s): r for s, r in by_seed.items()}}
+                        for row, by_seed in attribution.items()},
         "sides": sides, "ratio_t0": ratio, "headline": line, "table": table}
 
 

@@ -119,9 +119,9 @@ def test_quick_recipe_benchmark_trains_both_packages_on_the_same_data_and_evalua
     from safetensors.torch import load_file
 
     work, report = tmp_path / "work", tmp_path / "recipe.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.recipe", "--quick", "--seeds", "0", "--work", str(work),
-                           "--json", str(report), "--speculators-python", speculators_python()], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200)
+    command = [sys.executable, "-m", "benchmarks.recipe", "--quick", "--seeds", "0", "--attribution", "confidence,last",
+               "--work", str(work), "--json", str(report), "--speculators-python", speculators_python()]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
     assert all(key in data for key in PROVENANCE) and data["benchmark"] == "recipe" and data["quick"]
@@ -144,15 +144,23 @@ def test_quick_recipe_benchmark_trains_both_packages_on_the_same_data_and_evalua
         assert 1.0 <= side["validation"]["accept_len"] <= 5.0
     sides = data["sides"]
     ratio = sides["ours"]["held_out_t0"]["mean"] / sides["speculators"]["held_out_t0"]["mean"]
+    # attribution: one of speculators' settings on our side alone (really trained with it), or our run's last
+    # checkpoint instead of its best; each row's delta is against our default's mean
+    rows = data["attribution"]
+    assert set(rows) == {"confidence", "last"}
+    from trainer.config import RUN_CONFIG_FILE
+    assert "confidence_target: sampled_restricted" in (work / "ours-confidence-seed0" / RUN_CONFIG_FILE).read_text()
+    assert rows["last"]["runs"]["0"]["drafter"].endswith("ours-seed0/checkpoint-4")
+    for row in rows.values():
+        assert row["delta"] == pytest.approx(row["mean"] - sides["ours"]["held_out_t0"]["mean"])
+        assert row["within_noise"] is None  # one seed: the noise is not known, and the table says so
     last = proc.stdout.strip().splitlines()[-1]
     assert last == (f"held-out acceptance vs speculators: {ratio:.2f}x (ours {sides['ours']['held_out_t0']['mean']:.3f}"
                     f", speculators {sides['speculators']['held_out_t0']['mean']:.3f}, T=0, 4 steps each)"), last
     # a rerun with the same settings reuses every finished stage
-    again = subprocess.run([sys.executable, "-m", "benchmarks.recipe", "--quick", "--seeds", "0", "--work", str(work),
-                            "--json", str(report), "--speculators-python", speculators_python()], cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert again.stdout.count(": reused (") == 1 + 2 + 4, again.stdout
+    assert again.stdout.count(": reused (") == 1 + 2 + 4 + 1 + 2, again.stdout
     assert again.stdout.strip().splitlines()[-1] == last
 
 
