@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import BenchmarkError, fail, machine, write_json  # noqa: E402
+from benchmarks.speculators_step import float32_newton_schulz  # noqa: E402
 from trainer.errors import Parser, run_cli  # noqa: E402
 
 
@@ -61,21 +62,6 @@ def read_rows(path: Path) -> list[dict]:
     flat = load_file(str(path))
     offsets = flat.pop("offsets").tolist()
     return [{k: v[a:b][None] for k, v in flat.items()} for a, b in zip(offsets[:-1], offsets[1:])]
-
-
-def float32_newton_schulz() -> None:
-    """torch's Muon runs its Newton-Schulz in bf16, catastrophically slow on a CPU without bf16 matmuls: the same
-    iteration in float32 (this package's CPU treatment, `benchmarks.speculators_step` does the same)."""
-    import torch.optim._muon as torch_muon
-
-    from trainer.train.optim import zeropower_via_newton_schulz
-
-    def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-        import torch
-
-        return zeropower_via_newton_schulz(grad, ns_coefficients, ns_steps, eps, torch.float32)
-
-    torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32  # this process only
 
 
 def train(work: Path, verifier: str, steps: int, seed: int, out: Path) -> dict:

@@ -36,21 +36,30 @@ from benchmarks.train_step import (  # noqa: E402
 from trainer.errors import Parser, run_cli  # noqa: E402
 
 
-def build_optimizers(model):
-    """speculators' routing (`build_optimizers(model, config)` with `optimizer="muon"`): torch's own `Muon`, with
-    its Newton-Schulz run in float32 instead of bf16 (the fp32 treatment our CPU runs get, and nothing more: one
-    matrix at a time, torch's iteration line for line, `trainer.train.optim.zeropower_via_newton_schulz`), and torch's
-    default AdamW."""
+def float32_newton_schulz() -> None:
+    """torch's Muon runs its Newton-Schulz in bf16, catastrophically slow on a CPU without bf16 matmuls: the same
+    iteration in float32 (torch's per-matrix iteration line for line, `trainer.train.optim.zeropower_via_newton_schulz`),
+    for this process only (a fresh one per run). Used by this benchmark and by `benchmarks.speculators_recipe`."""
     import torch
     import torch.optim._muon as torch_muon
-    from speculators.train.optimizers import split_named_params_for_muon
 
     from trainer.train.optim import zeropower_via_newton_schulz
 
     def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
         return zeropower_via_newton_schulz(grad, ns_coefficients, ns_steps, eps, torch.float32)
 
-    torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32  # this process only (a fresh one per run)
+    torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
+
+
+def build_optimizers(model):
+    """speculators' routing (`build_optimizers(model, config)` with `optimizer="muon"`): torch's own `Muon`, with
+    its Newton-Schulz run in float32 instead of bf16 (the fp32 treatment our CPU runs get, and nothing more: one
+    matrix at a time, torch's iteration line for line, `trainer.train.optim.zeropower_via_newton_schulz`), and torch's
+    default AdamW."""
+    import torch
+    from speculators.train.optimizers import split_named_params_for_muon
+
+    float32_newton_schulz()
     muon_params, adamw_params = split_named_params_for_muon(model)
     optimizers = []
     if muon_params:
