@@ -1,7 +1,8 @@
 """The recipe benchmark: a drafter trained by this package against one trained by speculators 0.9.0, from the same
 data, for the same number of steps, measured by one evaluator.
 
-    .venv/bin/python -m benchmarks.recipe [--steps N] [--seeds 0,1] [--attribution ROWS|all] [--quick] [--json OUT]
+    .venv/bin/python -m benchmarks.recipe [--steps N] [--seeds 0,1] [--attribution ROWS|all] [--ours-only] [--quick]
+                                          [--json OUT]
     make bench-recipe [BENCH_ARGS="..."]
 
 What both sides share: the verifier (SmolLM2-135M-Instruct), the demo conversations and their train/validation
@@ -28,7 +29,9 @@ Stages (each one a fresh process with its log under WORK/logs; a stage that fini
                 of training, for both checkpoints alike)
     5 attribution  with --attribution: per row of ATTRIBUTION and seed, ours trained with one of speculators'
                 settings (or the default run's last checkpoint instead of its best), evaluated at T = 0; the table
-                gives each row's mean, its delta against our default and whether that is within the seed spread
+                gives each row's mean, its delta against our default and whether that is within the seed spread.
+                `--ours-only` skips speculators' side (and our default's sampled evaluation), which the rows do not
+                read: an attribution run at about half the cost, with no headline ratio
 
 Ours is evaluated as the run ships it (the checkpoint with the best validation `accept_len`, the run's default);
 speculators' as its trainer ships it (the last step: `save_best` is off by default). The last printed line is
@@ -74,6 +77,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attribution", type=attribution_rows, default=[],
                         help=f"also train ours with one of speculators' settings at a time and evaluate at T = 0: a "
                              f"comma-separated subset of {','.join(ATTRIBUTION)}, or all (default: none)")
+    parser.add_argument("--ours-only", action="store_true",
+                        help="train and evaluate our side alone (the default and the attribution rows, at T = 0): no "
+                             "speculators run, so no headline ratio")
     parser.add_argument("--work", type=Path, default=None,
                         help="rows, cache, drafters, evaluations and logs (default out/benchmarks/recipe, --quick: "
                              "out/benchmarks/recipe-quick)")
@@ -81,7 +87,7 @@ def add_arguments(parser) -> None:
 
 
 def unavailable(args) -> str | None:
-    if not os.path.isfile(args.speculators_python):
+    if not args.ours_only and not os.path.isfile(args.speculators_python):
         return (f"no speculators 0.9.0 environment at {rel(args.speculators_python)} (speculators' side trains "
                 f"there); create it with `make speculators-env` or pass --speculators-python.")
     return None
@@ -269,15 +275,20 @@ def run(args) -> dict:
                         ("--max-new-tokens", max_new)):
         if value is not None and value < 1:
             raise BenchmarkError(f"{flag} must be at least 1, got {value}.")
+    ours_only = args.ours_only
+    if ours_only and not rows:
+        raise BenchmarkError("--ours-only measures the attribution rows alone; name them with --attribution ROWS|all.")
     trainings = sum(ATTRIBUTION[r][1] is not None for r in rows)
-    runner = Runner(work, total=1 + len(seeds) * (2 + 4 + 2 * trainings + len(rows) - trainings))
+    per_seed = (1 + 1) if ours_only else (2 + 4)  # default runs: a training each, then their evaluations
+    runner = Runner(work, total=1 + len(seeds) * (per_seed + 2 * trainings + len(rows) - trainings))
     stage = Stages(runner)
     py = sys.executable
 
     print("[ 0] preparing the shared rows and draft vocabulary", flush=True)
     shape = prepare(work, overrides)
     steps = q.get("steps") or args.steps or shape["config_steps"]
-    names = [f"ours-seed{s}" for s in seeds] + [f"speculators-seed{s}" for s in seeds] + [
+    impls = ("ours",) if ours_only else ("ours", "speculators")
+    names = [f"{impl}-seed{s}" for impl in impls for s in seeds] + [
         f"ours-{r}-seed{s}" for r in rows for s in seeds if ATTRIBUTION[r][1] is not None]
     stage(f"states cache ({shape['train_conversations'] + shape['validation_conversations']} conversations)",
           [py, "-m", "trainer", "states-cache", "--config", str(CONFIG), *overrides, "--cache_dir",
@@ -327,13 +338,14 @@ def run(args) -> dict:
         r["validation"] = validation(work, overrides, r["drafter"], name)
         r["drafter"] = rel(r["drafter"])
 
-    runs: dict[str, dict[int, dict]] = {"ours": {}, "speculators": {}}
+    runs: dict[str, dict[int, dict]] = {impl: {} for impl in impls}
     for seed in seeds:
         runs["ours"][seed] = train_ours(f"ours-seed{seed}", seed, [])
-        runs["speculators"][seed] = train_theirs(f"speculators-seed{seed}", seed)
+        if not ours_only:
+            runs["speculators"][seed] = train_theirs(f"speculators-seed{seed}", seed)
     for impl, by_seed in runs.items():
         for seed, r in by_seed.items():
-            evaluate(f"{impl}-seed{seed}", r, seed, sampled=True)
+            evaluate(f"{impl}-seed{seed}", r, seed, sampled=not ours_only)
     attribution: dict[str, dict[int, dict]] = {}
     for row in rows:
         extra = ATTRIBUTION[row][1]
@@ -353,46 +365,52 @@ def run(args) -> dict:
 
 
 def summarize(runs: dict, attribution: dict, shape: dict, steps: int, seeds: list[int], quick: bool) -> dict:
-    """Means over seeds (and their spread), the per-subset table and the headline ratio."""
-    def over_seeds(impl: str, get) -> list[float]:
-        return [get(r) for r in runs[impl].values()]
-
-    def stat(impl: str, get) -> dict:
-        values = over_seeds(impl, get)
+    """Means over seeds (and their spread), the per-subset table, the attribution rows and the headline ratio (none
+    when speculators' side did not run)."""
+    def stat(impl: str, get) -> dict | None:
+        values = [get(r) for r in runs[impl].values()]
+        if any(v is None for v in values):
+            return None
         return {"mean": mean(values), "spread": spread(values), "values": values}
 
     sides = {}
     for impl in runs:
         sides[impl] = {
             "held_out_t0": stat(impl, lambda r: r["held_out_t0"]["weighted"]),
-            "held_out_sampled": stat(impl, lambda r: r["held_out_sampled"]["weighted"]),
+            "held_out_sampled": stat(impl, lambda r: r.get("held_out_sampled", {}).get("weighted")),
             "validation_accept_len": stat(impl, lambda r: r["validation"]["accept_len"]),
             "train_s": stat(impl, lambda r: r["train_s"]),
             "process_s": stat(impl, lambda r: r["process_s"]),
             "fidelity_steps_differing": sum(r["held_out_t0"]["fidelity_steps_differing"] or 0
                                             for r in runs[impl].values()),
         }
-    ours, theirs = sides["ours"]["held_out_t0"]["mean"], sides["speculators"]["held_out_t0"]["mean"]
-    ratio = ours / theirs
+    theirs_ran = "speculators" in sides
     table = []
     first = runs["ours"][seeds[0]]["held_out_t0"]["subsets"]
     for subset in first:
         row = {impl: mean([r["held_out_t0"]["subsets"][subset]["acceptance_length"] for r in runs[impl].values()])
                for impl in runs}
-        table.append([f"held-out {subset}, T = 0: ours / speculators", row["ours"], "tokens/step",
-                      f"speculators {row['speculators']:.3f}"])
+        if theirs_ran:
+            table.append([f"held-out {subset}, T = 0: ours / speculators", row["ours"], "tokens/step",
+                          f"speculators {row['speculators']:.3f}"])
+        else:
+            table.append([f"held-out {subset}, T = 0: ours", row["ours"], "tokens/step", ""])
     for key, label in (("held_out_t0", "held-out weighted, T = 0"),
                        ("held_out_sampled", "held-out weighted, vLLM's default sampling, greedy drafts"),
                        ("validation_accept_len", "validation accept_len (teacher-forced, full vocabulary)")):
-        o, t = sides["ours"][key], sides["speculators"][key]
-        note = f"speculators {t['mean']:.3f}"
+        o = sides["ours"][key]
+        if o is None:
+            continue
+        t = sides["speculators"][key] if theirs_ran else None
+        notes = [f"speculators {t['mean']:.3f}"] if t else []
         if o["spread"] is not None:
-            note += f"; seed spread ours {o['spread']:.3f}, speculators {t['spread']:.3f}"
-        table.append([f"{label}: ours", o["mean"], "tokens/step", note])
+            notes.append(f"seed spread ours {o['spread']:.3f}" + (f", speculators {t['spread']:.3f}" if t else ""))
+        table.append([f"{label}: ours", o["mean"], "tokens/step", "; ".join(notes)])
     table.append(["training time: ours", sides["ours"]["train_s"]["mean"], "s",
-                  f"speculators {sides['speculators']['train_s']['mean']:.1f} s ({steps} steps each)"])
+                  f"speculators {sides['speculators']['train_s']['mean']:.1f} s ({steps} steps each)" if theirs_ran
+                  else f"{steps} steps"])
     base = sides["ours"]["held_out_t0"]
-    noise = max([base["spread"] or 0.0] + [sides["speculators"]["held_out_t0"]["spread"] or 0.0])
+    noise = max(s["held_out_t0"]["spread"] or 0.0 for s in sides.values())
     rows = {}
     for row, by_seed in attribution.items():
         values = [r["held_out_t0"]["weighted"] for r in by_seed.values()]
@@ -406,9 +424,16 @@ def summarize(runs: dict, attribution: dict, shape: dict, steps: int, seeds: lis
         table.append([f"attribution, {ATTRIBUTION[row][0]}", mean(values), "tokens/step",
                       f"{delta:+.3f} vs ours ({verdict[within]}"
                       + (f", spread {row_spread:.3f})" if row_spread is not None else ")")])
-    table.append(["held-out acceptance vs speculators (T = 0)", ratio, "x", f"{len(seeds)} seed(s)"])
-    line = (f"held-out acceptance vs speculators: {ratio:.2f}x (ours {ours:.3f}, speculators {theirs:.3f}, T=0, "
-            f"{steps} steps each)")
+    if theirs_ran:
+        ours, theirs = base["mean"], sides["speculators"]["held_out_t0"]["mean"]
+        ratio = ours / theirs
+        table.append(["held-out acceptance vs speculators (T = 0)", ratio, "x", f"{len(seeds)} seed(s)"])
+        line = (f"held-out acceptance vs speculators: {ratio:.2f}x (ours {ours:.3f}, speculators {theirs:.3f}, T=0, "
+                f"{steps} steps each)")
+    else:
+        ratio = None
+        line = (f"held-out acceptance, ours alone: {base['mean']:.3f} (T=0, {steps} steps; speculators not run: "
+                f"--ours-only)")
     return {"quick": quick, "steps": steps, "seeds": seeds, "shape": shape, "runs": {
         impl: {str(s): r for s, r in by_seed.items()} for impl, by_seed in runs.items()},
         "attribution": {row: {**rows[row], "runs": {str(s): r for s, r in by_seed.items()}}

@@ -162,6 +162,22 @@ def test_quick_recipe_benchmark_trains_both_packages_on_the_same_data_and_evalua
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count(": reused (") == 1 + 2 + 4 + 1 + 2, again.stdout
     assert again.stdout.strip().splitlines()[-1] == last
+    # --ours-only: the rows against our default without speculators' side (nothing of it runs or is read), reusing
+    # our finished stages; no ratio, and the headline says why
+    alone_report = tmp_path / "alone.json"
+    alone = subprocess.run([sys.executable, "-m", "benchmarks.recipe", "--quick", "--seeds", "0", "--attribution",
+                            "last", "--ours-only", "--work", str(work), "--json", str(alone_report),
+                            "--speculators-python", str(tmp_path / "no-such-python")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    assert alone.stdout.count(": reused (") == 1 + 1 + 1 + 1 and "speculators-seed0" not in alone.stdout
+    solo = json.loads(alone_report.read_text())
+    assert set(solo["runs"]) == {"ours"} and solo["ratio_t0"] is None and set(solo["attribution"]) == {"last"}
+    assert solo["sides"]["ours"]["held_out_t0"] == sides["ours"]["held_out_t0"]
+    assert solo["attribution"]["last"]["mean"] == pytest.approx(rows["last"]["mean"])
+    assert alone.stdout.strip().splitlines()[-1] == (
+        f"held-out acceptance, ours alone: {sides['ours']['held_out_t0']['mean']:.3f} (T=0, 4 steps; speculators not "
+        f"run: --ours-only)")
 
 
 @pytest.mark.slow

@@ -391,6 +391,8 @@ EVERY_CLI = [
      "argument --seeds: '0,0' is not a comma-separated list of distinct integers; pass e.g. 0,1"),
     ("benchmarks.recipe", "unknown row", ["--attribution", "loss,warmth"],
      "argument --attribution: 'loss,warmth' names ['warmth']; use a comma-separated subset of"),
+    ("benchmarks.recipe", "missing argument", ["--ours-only"],
+     "--ours-only measures the attribution rows alone; name them with --attribution ROWS|all."),
     # benchmarks.speculators_recipe: its work directory is checked before its environment (.venv-speculators)
     ("benchmarks.speculators_recipe", "unknown flag", ["--work", "w", "--verifier", "v", "--steps", "1", "--out", "o",
                                                        "--no-such-flag"], UNKNOWN),
