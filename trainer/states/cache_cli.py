@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     config.train.hidden_states = source_name  # the same source a training run of this config would build
     source = build_source(config, verifier, aux_layer_ids)
     return write_cache(source, documents, cache_dir, shard_tokens=shard_tokens,
-                       tokens_per_call=config.train.verifier_max_tokens_per_forward)
+                       tokens_per_call=config.train.verifier_max_tokens_per_forward,
+                       chunk_elements=config.train.loss_chunk_elements)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,23 @@ Data flow:
 
 File layout of DIR:
 
-    plan.json                  written first: format version, aux_layer_ids, hidden_size, dtype, shard_tokens
-                               and, per shard, its file name and its documents' keys and lengths (the documents
-                               deduplicated by key, in input order, cut into shards of about shard_tokens tokens)
-    shard-00000.safetensors    aux [sum n, k*H], last [sum n, H] (before the final norm), offsets [docs + 1] int64;
-    shard-00001.safetensors    metadata: format version, aux ids, hidden size and the keys (json), so each shard
-    ...                        describes itself; written to a .tmp file, fsynced, then renamed into place
+    plan.json                  written first: format version, aux_layer_ids, hidden_size, dtype, shard_tokens,
+                               full_vocabulary and, per shard, its file name and its documents' keys and lengths
+                               (the documents deduplicated by key, in input order, cut into shards of about
+                               shard_tokens tokens)
+    shard-00000.safetensors    aux [sum n, k*H], last [sum n, H] (before the final norm), offsets [docs + 1] int64,
+    shard-00001.safetensors    and with full_vocabulary: log_z [sum n] fp32, argmax [sum n] int64 (the verifier's
+    ...                        full-vocabulary log-normaliser and argmax at each position, `Teacher.full_vocabulary`
+                               of the stored last states); metadata: format version, aux ids, hidden size and the
+                               keys (json), so each shard describes itself; written to a .tmp file, fsynced, then
+                               renamed into place
     COMPLETE                   written last (json totals): a reader refuses a directory without it
+
+Why the full-vocabulary pass is stored: the default objective (greedy confidence target, full-vocabulary metrics)
+needs the verifier's log-normaliser and argmax over its whole head at every supervised position, a V x H pass per
+position that costs more than the rest of a small drafter's step. It depends on the position's state alone, so it is
+computed once here, where the states are, and every epoch of every run over the cache reads it (12 bytes a token).
+A format-1 cache (written before it was stored) is still read; the loss then computes the pass per step.
 
 A rerun with the same plan resumes: every shard under its final name is validated (header, keys, shapes,
 offsets, file size) and skipped, a truncated or foreign one is redone, leftover .tmp files are removed. A rerun
@@ -42,7 +52,10 @@ from trainer.states.source import document_key
 logger = logging.getLogger("dspark")
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the full-vocabulary pass (log_z, argmax) beside the states
+
+
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 
 PLAN_FILE = "plan.json"
@@ -95,10 +108,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- plan
 def make_plan(documents: Sequence[torch.Tensor], aux_layer_ids: list[int], hidden_size: int, dtype: str,
-              shard_tokens: int, keys: Sequence[str] | None = None) -> dict:
+              shard_tokens: int, keys: Sequence[str] | None = None, full_vocabulary: bool = True) -> dict:
     """The deterministic plan of a cache: documents deduplicated by key (first occurrence wins, order kept),
     cut into consecutive shards of at most `shard_tokens` tokens (a longer document gets a shard of its own).
-    `keys`: the documents' `document_key`s when the caller has them already."""
+    `keys`: the documents' `document_key`s when the caller has them already; `full_vocabulary`: the shards also
+    hold the verifier's full-vocabulary pass per position."""
     shards: list[dict] = []
     seen: set[str] = set()
     current: dict | None = None
@@ -115,14 +129,16 @@ def make_plan(documents: Sequence[torch.Tensor], aux_layer_ids: list[int], hidde
         current["lengths"].append(n)
         current["tokens"] += n
     return {"format_version": FORMAT_VERSION, "aux_layer_ids": list(aux_layer_ids), "hidden_size": int(hidden_size),
-            "dtype": dtype, "shard_tokens": int(shard_tokens), "documents": len(seen),
+            "dtype": dtype, "shard_tokens": int(shard_tokens), "full_vocabulary": bool(full_vocabulary),
+            "documents": len(seen),
             "tokens": sum(s["tokens"] for s in shards), "shards": shards}
 
 
 def plan_difference(old: dict, new: dict) -> str | None:
     """What makes two plans different, as a phrase for the refusal, or None when they are the same plan."""
     for field, what in (("format_version", "cache format version"), ("aux_layer_ids", "aux_layer_ids"),
-                        ("hidden_size", "hidden size"), ("dtype", "dtype")):
+                        ("hidden_size", "hidden size"), ("dtype", "dtype"),
+                        ("full_vocabulary", "full_vocabulary")):
         if old.get(field) != new[field]:
             return f"{what} {old.get(field)!r}, not {new[field]!r}"
     old_keys = [k for s in old.get("shards", []) for k in s["keys"]]
@@ -165,9 +181,13 @@ def check_plan(cache_dir: str, plan: dict) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------------- shards
-def shard_bytes(shard: dict, width: int, hidden_size: int, element_size: int) -> int:
+FULL_VOCABULARY_BYTES = 4 + 8  # per token: log_z fp32, argmax int64
+
+
+def shard_bytes(shard: dict, width: int, hidden_size: int, element_size: int, full_vocabulary: bool = True) -> int:
     """The tensor bytes of a planned shard (its header adds about 40 bytes per document)."""
-    return shard["tokens"] * (width + hidden_size) * element_size + (len(shard["keys"]) + 1) * 8
+    per_token = (width + hidden_size) * element_size + (FULL_VOCABULARY_BYTES if full_vocabulary else 0)
+    return shard["tokens"] * per_token + (len(shard["keys"]) + 1) * 8
 
 
 def shard_metadata(plan: dict, shard: dict) -> dict[str, str]:
@@ -224,6 +244,8 @@ def shard_problem(path: str, plan: dict, shard: dict) -> str | None:
         expected = {"aux": ([shard["tokens"], width], SAFETENSORS_DTYPES[getattr(torch, plan["dtype"])]),
                     "last": ([shard["tokens"], hidden], SAFETENSORS_DTYPES[getattr(torch, plan["dtype"])]),
                     "offsets": ([len(shard["keys"]) + 1], "I64")}
+        if plan.get("full_vocabulary"):
+            expected.update(log_z=([shard["tokens"]], "F32"), argmax=([shard["tokens"]], "I64"))
         for name, (shape, dtype) in expected.items():
             got = header.get(name)
             if got is None or got["shape"] != shape or got["dtype"] != dtype:

@@ -69,6 +69,14 @@ class HybridSource(DocumentStateSource):
             out.append((aux.to(self.dtype), last.to(self.dtype)))
         return out
 
+    def document_full_vocabulary(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """The cache's stored full-vocabulary pass for the documents it holds (the loss computes the others')."""
+        if not self.cache.full_vocabulary:
+            return None
+        cached = [d for d in documents if self.cache.contains(document_key(d))]
+        hits = iter(self.cache.document_full_vocabulary(cached) if cached else [])
+        return [next(hits) if self.cache.contains(document_key(d)) else None for d in documents]
+
     def share(self) -> float:
         """The share of served tokens that came from the cache (0.0 before anything was served)."""
         total = self.served["cache"]["tokens"] + self.served["fallback"]["tokens"]

@@ -47,18 +47,23 @@ class MemoryRowCache(HiddenStateSource):
                 if r not in self._rows and self.bytes + size <= self.max_bytes:
                     self._rows[r] = (states.aux_hidden_states[i, :n].clone(), states.last_hidden_state[i, :n].clone())
                     self.bytes += size
-        states.full_vocabulary = self._full_vocabulary(rows, length, states.last_hidden_state.dtype)
+        states.full_vocabulary = self._full_vocabulary(rows, length, states.last_hidden_state.dtype,
+                                                       states.full_vocabulary)
         return states
 
-    def _full_vocabulary(self, rows: list[int], length: int, dtype: torch.dtype) -> FullVocabulary:
-        """The batch's `FullVocabulary`: what is known of each cached row copied in, then that row's views moved to
-        this batch's tensors (which the loss fills in)."""
-        full = FullVocabulary.unknown(len(rows), length, dtype)
+    def _full_vocabulary(self, rows: list[int], length: int, dtype: torch.dtype,
+                         known: FullVocabulary | None = None) -> FullVocabulary:
+        """The batch's `FullVocabulary`: what the inner source knows (`known`, e.g. the offline cache's stored
+        pass) or else nothing, with what is known of each cached row copied in where that is unknown, then that
+        row's views moved to this batch's tensors (which the loss fills in)."""
+        full = known if known is not None else FullVocabulary.unknown(len(rows), length, dtype)
         for i, r in enumerate(rows):
             if r not in self._rows:
                 continue
             n = self._rows[r][1].shape[0]
             if r in self._full:
-                full.log_z[i, :n], full.argmax[i, :n] = self._full[r]
+                log_z, argmax = self._full[r]
+                fill = (full.argmax[i, :n] < 0) & (argmax >= 0)
+                full.log_z[i, :n][fill], full.argmax[i, :n][fill] = log_z[fill], argmax[fill]
             self._full[r] = (full.log_z[i, :n], full.argmax[i, :n])
         return full

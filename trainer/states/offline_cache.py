@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from trainer.config import DEFAULT_CHUNK_ELEMENTS
 from trainer.errors import DSparkError, UsageError, is_disk_full
 from trainer.files import TMP_SUFFIX, write_json_atomic
 from trainer.states.cache_format import (
@@ -27,6 +28,7 @@ from trainer.states.cache_format import (
     DISK_MARGIN_BYTES,
     FORMAT_VERSION,
     PLAN_FILE,
+    READABLE_FORMAT_VERSIONS,
     check_plan,
     dtype_name,
     human_bytes,
@@ -54,22 +56,31 @@ def as_document(d) -> torch.Tensor:
 
 def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str, *,
                 shard_tokens: int = DEFAULT_SHARD_TOKENS, dtype: torch.dtype | str | None = None, progress: bool = True,
-                tokens_per_call: int = DEFAULT_TOKENS_PER_CALL) -> dict:
+                tokens_per_call: int = DEFAULT_TOKENS_PER_CALL, full_vocabulary: bool = True,
+                chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict:
     """Precompute `source`'s states of `documents` (1-D token id tensors or lists) into `cache_dir` (layout in
-    the module docstring), resuming a previous run of the same plan. Returns the summary: shards written and
-    skipped, documents, tokens (all, and written now), bytes (written now, and the whole cache), seconds,
-    tokens/s."""
+    trainer/states/cache_format.py), resuming a previous run of the same plan. With `full_vocabulary` (the
+    default) the shards also hold the verifier's full-vocabulary log-normaliser and argmax at every position,
+    computed by the source's teacher from the states as stored, in head chunks of `chunk_elements` logits.
+    Returns the summary: shards written and skipped, documents, tokens (all, and written now), bytes (written
+    now, and the whole cache), seconds, tokens/s."""
     started = time.time()
     if shard_tokens < 1 or tokens_per_call < 1:
         raise UsageError(f"shard_tokens ({shard_tokens}) and tokens_per_call ({tokens_per_call}) must be >= 1; pass "
                          f"e.g. --shard_tokens {DEFAULT_SHARD_TOKENS}.")
+    teacher = source.teacher() if full_vocabulary else None
+    if teacher is not None and teacher.output_weight is None:
+        raise UsageError(f"the hidden-state source ({type(source).__name__}) has no full output head to compute the "
+                         f"full-vocabulary pass with; give its teacher the verifier's head, or pass "
+                         f"full_vocabulary=False.")
     docs = [as_document(d) for d in documents]
     for i, d in enumerate(docs):
         if d.numel() == 0:
             raise UsageError(f"document {i} has no tokens; drop empty documents before caching their states.")
     stored = getattr(torch, dtype_name(dtype if dtype is not None else source.dtype))
     keys = [document_key(d) for d in docs]
-    plan = make_plan(docs, source.aux_layer_ids, source.hidden_size, dtype_name(stored), shard_tokens, keys)
+    plan = make_plan(docs, source.aux_layer_ids, source.hidden_size, dtype_name(stored), shard_tokens, keys,
+                     full_vocabulary=teacher is not None)
     by_key, first_index = {}, {}  # a key's document and its index in the input (for error messages)
     for i, (key, d) in enumerate(zip(keys, docs)):
         first_index.setdefault(key, i)
@@ -93,7 +104,7 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
     leftovers = [os.path.join(cache_dir, f) for f in os.listdir(cache_dir) if f.endswith(TMP_SUFFIX)]
     reclaim = sum(os.path.getsize(p) for p in damaged + leftovers)  # removed before any shard is written
 
-    need = sum(shard_bytes(plan["shards"][i], width, hidden, element) for i in todo)
+    need = sum(shard_bytes(plan["shards"][i], width, hidden, element, plan["full_vocabulary"]) for i in todo)
     need_with_margin = need + (DISK_MARGIN_BYTES + need // 100 if todo else 0)
     free = shutil.disk_usage(cache_dir).free + reclaim
     remaining_tokens = sum(plan["shards"][i]["tokens"] for i in todo)
@@ -123,6 +134,8 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
             shard = plan["shards"][i]
             aux = torch.empty(shard["tokens"], width, dtype=stored)
             last = torch.empty(shard["tokens"], hidden, dtype=stored)
+            full = {"log_z": torch.empty(shard["tokens"], dtype=torch.float32),
+                    "argmax": torch.empty(shard["tokens"], dtype=torch.int64)} if teacher is not None else {}
             shard_keys = shard["keys"]
             position, j = 0, 0
             while j < len(shard_keys):
@@ -135,17 +148,25 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
                 if len(results) != len(group):
                     raise DSparkError(f"the hidden-state source returned {len(results)} results for {len(group)} "
                                       f"documents; fix the source ({type(source).__name__}) to answer every document.")
+                group_start = position
                 for key, (a, x) in zip(group, results):
                     n = int(by_key[key].numel())
                     check_states(a, x, n, width, hidden, first_index[key], key, source)
                     aux[position : position + n] = a.to("cpu", stored)
                     last[position : position + n] = x.to("cpu", stored)
                     position += n
+                if full:
+                    # from the states as stored (what training reads back), on the head's device
+                    head = teacher.output_weight
+                    states = last[group_start:position].to(head.device)
+                    log_z, argmax = teacher.full_vocabulary(teacher.normed(states), chunk_elements)
+                    full["log_z"][group_start:position] = log_z.to("cpu", torch.float32)
+                    full["argmax"][group_start:position] = argmax.cpu()
                 bar.update(tokens)
             offsets = torch.tensor([0, *itertools.accumulate(shard["lengths"])], dtype=torch.int64)
             path = os.path.join(cache_dir, shard["file"])
             try:
-                written_bytes += write_safetensors(path, {"aux": aux, "last": last, "offsets": offsets},
+                written_bytes += write_safetensors(path, {"aux": aux, "last": last, **full, "offsets": offsets},
                                                    shard_metadata(plan, shard))
             except OSError as e:
                 if is_disk_full(e):
@@ -154,7 +175,7 @@ def write_cache(source: DocumentStateSource, documents: Iterable, cache_dir: str
                                       f"finished and kept); free some space and rerun the same command to resume."
                                       ) from e
                 raise
-            del aux, last
+            del aux, last, full
     finally:
         bar.close()
 
@@ -208,9 +229,9 @@ class OfflineCache(DocumentStateSource):
         if plan is None:
             raise UsageError(f"{cache_dir} holds no hidden-state cache (no {PLAN_FILE}); build it with `python -m "
                              f"trainer.states.cache_format --config ... --cache_dir {cache_dir}`.")
-        if plan.get("format_version") != FORMAT_VERSION:
+        if plan.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise UsageError(f"cache {cache_dir} has format version {plan.get('format_version')}, this code reads "
-                             f"{FORMAT_VERSION}; rebuild it into a new cache_dir.")
+                             f"{' and '.join(map(str, READABLE_FORMAT_VERSIONS))}; rebuild it into a new cache_dir.")
         if not os.path.exists(os.path.join(cache_dir, COMPLETE_FILE)):
             present = sum(os.path.exists(os.path.join(cache_dir, s["file"])) for s in plan["shards"])
             raise UsageError(f"cache {cache_dir} is incomplete ({present} of {len(plan['shards'])} shards); rerun the "
@@ -223,6 +244,8 @@ class OfflineCache(DocumentStateSource):
         self.aux_layer_ids = list(plan["aux_layer_ids"])
         self.hidden_size = int(plan["hidden_size"])
         self.dtype = getattr(torch, plan["dtype"])
+        # format 1 (and a cache written without it) holds no full-vocabulary pass: the loss computes it per step
+        self.full_vocabulary = bool(plan.get("full_vocabulary"))
         self._teacher = teacher
         self.max_open_shards = max(1, max_open_shards)
         self.index: dict[str, tuple[int, int, int]] = {}
@@ -268,24 +291,32 @@ class OfflineCache(DocumentStateSource):
             self._handles.popitem(last=False)
         return handle
 
+    def _rows(self, d: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        """One document's rows of the named shard tensors, copied out of the memory map."""
+        key = document_key(d)
+        entry = self.index.get(key)
+        n = int(d.numel())
+        if entry is None:
+            raise MissingStatesError(f"document {key} ({n} tokens) is not in cache {self.cache_dir}; rebuild the "
+                                     f"cache for this data or use train.hidden_states: hybrid.")
+        s, start, end = entry
+        if end - start != n:
+            raise DSparkError(f"document {key} has {n} tokens but cache {self.cache_dir} holds {end - start} for "
+                              f"it; rebuild the cache.")
+        handle = self._shard(s)
+        # get_slice returns a view of the shard's memory map: copy the rows out, so a returned tensor is plain
+        # memory (a shard truncated or deleted later cannot turn into a bus error in whoever holds it)
+        return tuple(handle.get_slice(name)[start:end].clone() for name in names)
+
     def document_states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for d in documents:
-            key = document_key(d)
-            entry = self.index.get(key)
-            n = int(d.numel())
-            if entry is None:
-                raise MissingStatesError(f"document {key} ({n} tokens) is not in cache {self.cache_dir}; rebuild the "
-                                         f"cache for this data or use train.hidden_states: hybrid.")
-            s, start, end = entry
-            if end - start != n:
-                raise DSparkError(f"document {key} has {n} tokens but cache {self.cache_dir} holds {end - start} for "
-                                  f"it; rebuild the cache.")
-            handle = self._shard(s)
-            # get_slice returns a view of the shard's memory map: copy the rows out, so a returned tensor is plain
-            # memory (a shard truncated or deleted later cannot turn into a bus error in whoever holds it)
-            out.append((handle.get_slice("aux")[start:end].clone(), handle.get_slice("last")[start:end].clone()))
-        return out
+        return [self._rows(d, ("aux", "last")) for d in documents]
+
+    def document_full_vocabulary(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The stored full-vocabulary pass `(log_z [n], argmax [n])` of each document, None when the cache holds
+        none."""
+        if not self.full_vocabulary:
+            return None
+        return [self._rows(d, ("log_z", "argmax")) for d in documents]
 
     def __getstate__(self) -> dict:  # shard handles do not pickle (DataLoader workers, spawn): reopen lazily
         return {**self.__dict__, "_handles": OrderedDict()}

@@ -90,6 +90,11 @@ class DocumentStateSource(HiddenStateSource):
     def document_states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`(aux [n, k*H], last [n, H])` for each document's token ids `[n]`, in order."""
 
+    def document_full_vocabulary(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """What the source knows of the verifier's full-vocabulary pass (`log_z [n]`, `argmax [n]`) for each
+        document, None for one it does not know (or None for all): the offline cache stores it."""
+        return None
+
     def prefetch(self, batch: dict[str, torch.Tensor]) -> None:
         """Start fetching a batch that `states` will be asked for soon (no-op unless the source has latency)."""
 
@@ -110,4 +115,11 @@ class DocumentStateSource(HiddenStateSource):
         for (r, s, e), (aux, last) in zip(segments, self.document_states(documents)):
             aux_out[r, s:e] = aux
             last_out[r, s:e] = last
-        return VerifierStates(aux_out, last_out)
+        known = self.document_full_vocabulary(documents)
+        full = None
+        if known is not None and any(k is not None for k in known):
+            full = FullVocabulary.unknown(rows, length, self.dtype)
+            for (r, s, e), pair in zip(segments, known):
+                if pair is not None:
+                    full.log_z[r, s:e], full.argmax[r, s:e] = pair
+        return VerifierStates(aux_out, last_out, full)

@@ -193,6 +193,107 @@ def test_reader_refusals(source, tmp_path):
         OfflineCache(str(tmp_path / "nothing"))
 
 
+def reference_full_vocabulary(source, last):
+    """float64 over the whole head at once: the log-normaliser and argmax of softmax(norm(last) @ W^T)."""
+    teacher = source.teacher()
+    logits = teacher.normed(last).double() @ teacher.output_weight.double().T
+    return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
+
+
+def test_the_cache_stores_the_full_vocabulary_pass_and_the_loss_reads_it(source, llama_verifier, tmp_path):
+    """The V x H pass the default objective needs is computed once at cache time, from the states as stored, and
+    served with them: a loss over the cache's states then runs no full-vocabulary pass and gives what the fresh
+    pass gives (fp32: the summation order differs)."""
+    from tiny import tiny_drafter
+    from trainer.config import ObjectiveConfig
+    from trainer.train.anchors import sample_anchors
+    from trainer.train.loss import dspark_loss
+
+    documents = random_documents(seed=11)
+    build(source, documents, tmp_path, tokens_per_call=100)  # several documents per pass
+    plan = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert plan["format_version"] == 2 and plan["full_vocabulary"]
+    cache = OfflineCache(str(tmp_path), teacher=source.teacher())
+    for d, (log_z, argmax), (_, last) in zip(documents, cache.document_full_vocabulary(documents),
+                                             cache.document_states(documents)):
+        ref_z, ref_a = reference_full_vocabulary(source, last)
+        assert log_z.dtype == torch.float32 and argmax.dtype == torch.int64 and log_z.shape == (d.numel(),)
+        torch.testing.assert_close(log_z.double(), ref_z, rtol=1e-6, atol=1e-6)
+        assert torch.equal(argmax, ref_a)
+    batch = packed(documents)
+    states = cache.states(batch)
+    full, padding = states.full_vocabulary, batch["document_ids"] < 0
+    assert (full.argmax[padding] == -1).all() and full.log_z[padding].isnan().all()
+    assert (full.argmax[~padding] >= 0).all()
+    segments, docs = cache.documents(batch)
+    for (r, s, e), (log_z, argmax) in zip(segments, cache.document_full_vocabulary(docs)):
+        assert torch.equal(full.log_z[r, s:e], log_z) and torch.equal(full.argmax[r, s:e], argmax)
+
+    drafter = tiny_drafter(llama_verifier, aux_hidden_state_layer_ids=AUX).train()
+    teacher = cache.teacher()
+    calls = []
+    real = teacher.full_vocabulary
+    teacher.full_vocabulary = lambda normed, chunk: calls.append(normed.shape[0]) or real(normed, chunk)
+    try:
+        cfg = ObjectiveConfig(block_size=drafter.block_size)  # the default objective: it needs the pass
+        anchors = sample_anchors(batch["loss_mask"], batch["document_ids"], 8, generator=torch.Generator().manual_seed(0))
+        results = []
+        for known in (states.full_vocabulary, None):
+            out = drafter(batch["input_ids"], states.aux_hidden_states, anchors, document_ids=batch["document_ids"],
+                          position_ids=batch["position_ids"], return_logits=False)
+            kwargs = {"full_vocabulary": known} if known is not None else {}
+            results.append(dspark_loss(drafter, out, batch["input_ids"], batch["loss_mask"], batch["document_ids"],
+                                       anchors, states.last_hidden_state, teacher, cfg, **kwargs))
+            if known is not None:
+                assert calls == []  # read from the cache, not computed
+        assert len(calls) == 1 and calls[0] > 0  # the fresh loss did run it
+        torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5, equal_nan=True)
+    finally:
+        del teacher.full_vocabulary
+
+
+def test_a_cache_without_the_full_vocabulary_pass_is_still_read(source, tmp_path):
+    """A format-1 cache (written before the pass was stored) and one written with full_vocabulary=False serve
+    their states as before; the loss then computes the pass itself."""
+    documents = random_documents(6, seed=12)
+    build(source, documents, tmp_path / "without", full_vocabulary=False)
+    plan = json.loads((tmp_path / "without" / PLAN_FILE).read_text())
+    assert not plan["full_vocabulary"]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "without" / "shard-00000.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"aux", "last", "offsets"}
+    old = {k: v for k, v in plan.items() if k != "full_vocabulary"} | {"format_version": 1}
+    (tmp_path / "without" / PLAN_FILE).write_text(json.dumps(old))
+    cache = OfflineCache(str(tmp_path / "without"))
+    assert not cache.full_vocabulary and cache.document_full_vocabulary(documents) is None
+    batch = packed(documents)
+    states = cache.states(batch)
+    assert states.full_vocabulary is None
+    torch.testing.assert_close(states.last_hidden_state, source.states(batch).last_hidden_state, atol=1e-5, rtol=1e-5)
+    # the writer refuses to continue it: its shards lack what this format stores
+    with pytest.raises(UsageError, match="planned with cache format version 1, not 2"):
+        build(source, documents, tmp_path / "without")
+
+
+def test_the_row_cache_starts_from_the_stored_pass(source, tmp_path):
+    """In front of the offline cache, the in-memory row cache hands out the stored pass: with the rows read from
+    the cache, and then with the rows from memory (its views carry the pass over)."""
+    from trainer.states.memory import MemoryRowCache
+
+    documents = random_documents(10, seed=13)
+    build(source, documents, tmp_path)
+    cache = OfflineCache(str(tmp_path), teacher=source.teacher())
+    rows = MemoryRowCache(cache, max_bytes=1 << 30)
+    batch = packed(documents)
+    stored = cache.states(batch).full_vocabulary
+    first = rows.states(batch).full_vocabulary
+    assert torch.equal(first.argmax, stored.argmax) and torch.equal(first.log_z.nan_to_num(), stored.log_z.nan_to_num())
+    second = rows.states(batch).full_vocabulary  # every row now from memory: the views carry the pass over
+    assert torch.equal(second.argmax, stored.argmax)
+
+
 class RecordingVerifier(InProcessVerifier):
     """The in-process source, remembering which documents it was announced and asked for (as an online one
     would fetch them)."""
@@ -236,6 +337,11 @@ def test_hybrid_takes_cached_documents_from_the_cache_and_the_rest_from_the_fall
     share = 100 * cached_tokens / all_tokens
     assert hybrid.report() == (f"hidden states: {share:.1f}% of tokens (10 of 20 documents) from the cache, "
                                f"{100 - share:.1f}% from the in-process verifier")
+    full = hybrid.states(batch).full_vocabulary  # the stored pass of the cached documents only
+    segments, docs = hybrid.documents(batch)
+    for (r, s, e), d in zip(segments, docs):
+        assert bool((full.argmax[r, s:e] >= 0).all()) == hybrid.cache.contains(document_key(d))
+        assert bool((full.argmax[r, s:e] < 0).all()) != hybrid.cache.contains(document_key(d))
     with pytest.raises(UsageError, match="the fallback serves"):
         HybridSource(hybrid.cache, InProcessVerifier(llama_verifier, [1, 2]))
 
