@@ -441,6 +441,19 @@ def build_training_arguments(config: RunConfig, has_validation: bool) -> Trainin
     )
 
 
+def check_sharding() -> None:
+    """accelerate (1.15) turns `accelerate launch --use_fsdp` into FSDP only for accelerator process groups: on a
+    machine without one it quietly falls back to data parallelism over gloo, so every process would hold a full
+    replica, the very memory the user asked FSDP to save. Refuse that up front instead."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if torch.accelerator.is_available():
+        return
+    raise UsageError("accelerate launch --use_fsdp shards a run only across GPUs (accelerate runs FSDP on accelerator "
+                     "process groups alone), and this machine has none, so each process would train a full replica; "
+                     "launch with --multi_gpu for data-parallel processes on CPU, or run on GPUs.")
+
+
 def preflight(config: RunConfig, main_process: bool = True) -> str:
     """Check everything that needs the disk or a model's config but nothing heavy, before any data is read or
     any model is loaded: the output_dir, the verifier (its config only: layer count for the aux ids, vocabulary
@@ -448,6 +461,7 @@ def preflight(config: RunConfig, main_process: bool = True) -> str:
     Returns the verifier's resolved path."""
     m, d, t = config.model, config.data, config.train
     build_objective(config)  # the teacher and confidence-target choices, before anything touches the disk
+    check_sharding()
     check_output_dir(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir, check_lock=main_process)
     if t.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(t.resume_from_checkpoint):
         raise UsageError(f"train.resume_from_checkpoint {t.resume_from_checkpoint} is not a directory; pass "

@@ -273,3 +273,22 @@ def test_two_process_accelerate_run(chat_verifier_dir, chat_data_file, tmp_path)
     record = json.loads((out / "checkpoint-6" / CALIBRATION_FILE).read_text())
     assert record["n_blocks"] == json.loads((out / SUMMARY_FILE).read_text())["final_metrics"]["eval_blocks"]
     assert json.loads((out / CALIBRATION_FILE).read_text()) == record
+
+
+@pytest.mark.slow
+def test_fsdp_on_a_machine_without_gpus_is_refused_not_run_as_replicas(chat_verifier_dir, chat_data_file, tmp_path):
+    """accelerate runs FSDP only on accelerator process groups; on CPU `--use_fsdp` would quietly become data
+    parallelism (a full replica per process), so every rank refuses it before loading anything."""
+    out = tmp_path / "fsdp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes",
+           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(ROOT, "trainer", "run.py"), "--verifier", chat_verifier_dir, "--train_data", chat_data_file,
+           "--output_dir", str(out), *TINY, "--max_steps", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT)
+    assert proc.returncode != 0
+    refusal = ("error: accelerate launch --use_fsdp shards a run only across GPUs (accelerate runs FSDP on accelerator "
+               "process groups alone), and this machine has none, so each process would train a full replica; launch "
+               "with --multi_gpu for data-parallel processes on CPU, or run on GPUs.")
+    assert proc.stderr.count(refusal) == 2, proc.stderr[-3000:]  # one line from each rank, no traceback of ours
+    assert not out.exists()
