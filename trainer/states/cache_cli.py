@@ -50,8 +50,8 @@ def documents_for_config(config) -> list[torch.Tensor]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The command's own flags (`--config`, `--cache_dir`, `--shard_tokens`, `--source`); everything else overrides
-    the run config, as for training."""
+    """The command's own flags (`--config`, `--cache_dir`, `--shard_tokens`, `--source`, `--full_vocabulary`);
+    everything else overrides the run config, as for training."""
     parser = Parser(prog="python -m trainer states-cache", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="the run config whose documents are cached")
@@ -60,6 +60,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
     parser.add_argument("--source", choices=("in_process", "vllm"), default="in_process",
                         help="in_process: the verifier here; vllm: the servers of the run config's train.vllm_urls")
+    parser.add_argument("--full_vocabulary", choices=("true", "false"), default="true",
+                        help="also store the verifier's full-vocabulary log-normaliser and argmax per position, which "
+                             "the default objective otherwise computes every step (default true; false saves its pass "
+                             "over the verifier's whole head where that runs on a slow device, e.g. a CPU host writing "
+                             "states from vLLM servers)")
     return parser.parse_known_args(argv)
 
 
@@ -81,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch_dtype(config.model.verifier_dtype, device)
     hidden_size = verifier_config.get_text_config().hidden_size
     # a cache planned differently is refused before the verifier is loaded (minutes for a large one on a GPU)
-    check_plan(cache_dir, make_plan(documents, aux_layer_ids, hidden_size, dtype_name(dtype), shard_tokens))
+    full_vocabulary = args.full_vocabulary == "true"
+    check_plan(cache_dir, make_plan(documents, aux_layer_ids, hidden_size, dtype_name(dtype), shard_tokens,
+                                    full_vocabulary=full_vocabulary))
     if source_name == "vllm":
         t = config.train
         if not (t.vllm_urls and t.vllm_states_dir):
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     source = build_source(config, verifier, aux_layer_ids)
     return write_cache(source, documents, cache_dir, shard_tokens=shard_tokens,
                        tokens_per_call=config.train.verifier_max_tokens_per_forward,
-                       chunk_elements=config.train.loss_chunk_elements)
+                       full_vocabulary=full_vocabulary, chunk_elements=config.train.loss_chunk_elements)
 
 
 if __name__ == "__main__":

@@ -369,6 +369,12 @@ def test_command_caches_every_document_training_asks_for(chat_verifier_dir, chat
     with pytest.raises(UsageError, match=r"planned with aux_layer_ids \[1, 2\], not \[1, 3\]"):
         cache_cli.main([*overrides, "--aux_hidden_state_layer_ids", "[1,3]", "--cache_dir", cache_dir,
                            "--shard_tokens", "2000"])
+    assert OfflineCache(cache_dir).full_vocabulary  # the default stores the pass
+    with pytest.raises(UsageError, match=r"planned with full_vocabulary True, not False"):
+        cache_cli.main([*overrides, "--cache_dir", cache_dir, "--shard_tokens", "2000", "--full_vocabulary", "false"])
+    without = str(tmp_path / "without")
+    cache_cli.main([*overrides, "--cache_dir", without, "--shard_tokens", "2000", "--full_vocabulary", "false"])
+    assert not OfflineCache(without).full_vocabulary and len(OfflineCache(without)) == conversations
 
     # the rows training packs find all their documents in the cache, with the verifier's states
     rows = pack_conversations(list(train_set["length"]), 256, seed=config.data.split_seed)
