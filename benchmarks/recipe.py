@@ -237,6 +237,14 @@ class Stages:
         return output.with_name(output.name + ".stage.json")
 
 
+def resolved_config(argv: list[str]) -> dict:
+    """The configuration `trainer/run.py --config CONFIG argv` trains with (the YAML, the overrides, the package's
+    defaults for everything else)."""
+    from trainer.config import RunConfig
+
+    return RunConfig.load(str(CONFIG), argv).to_dict()
+
+
 def mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
@@ -249,7 +257,7 @@ def spread(values: list[float]) -> float | None:
 # Attribution: one difference between the two recipes each, switched to speculators' setting on our side alone
 # (`trainer/run.py` overrides; None: no training, the default run's last checkpoint instead of its best).
 ATTRIBUTION = {
-    "loss": ("speculators' loss: KL alone (ours: 0.1 CE + 0.9 TV)", ["--loss_weights", '{"kl": 1.0}']),
+    "loss": ("speculators' loss: KL alone (ours: 0.5 KL + 0.5 TV)", ["--loss_weights", '{"kl": 1.0}']),
     "schedule": ("speculators' learning rate and schedule: 1e-3, linear, 1% warm-up (ours: 5e-3, cosine, 4%)",
                  ["--learning_rate", "1e-3", "--lr_scheduler_type", "linear", "--warmup_ratio", "0.01"]),
     "confidence": ("speculators' confidence target: sampled_restricted (ours: greedy)",
@@ -299,11 +307,14 @@ def run(args) -> dict:
 
     def train_ours(name: str, seed: int, extra: list[str]) -> dict:
         out = work / name
-        stage(f"{name}, {steps} steps", [
-            py, str(ROOT / "trainer" / "run.py"), "--config", str(CONFIG), *overrides, *extra, "--output_dir",
-            str(out), "--overwrite_output_dir", "true", "--max_steps", str(steps), "--seed", str(seed),
-            "--hidden_states", "cache", "--states_cache_dir", str(work / "cache"), "--cache_verifier_states_gb", "0"],
-            name, out, shape, args.timeout, evaluations_of(name))
+        argv = [*overrides, *extra, "--output_dir", str(out), "--overwrite_output_dir", "true", "--max_steps",
+                str(steps), "--seed", str(seed), "--hidden_states", "cache", "--states_cache_dir", str(work / "cache"),
+                "--cache_verifier_states_gb", "0"]
+        # The resolved configuration joins the stage's settings, so a changed package default (which the command
+        # line does not show) retrains instead of reusing a drafter trained under the old one.
+        stage(f"{name}, {steps} steps", [py, str(ROOT / "trainer" / "run.py"), "--config", str(CONFIG), *argv], name,
+              out, {**shape, "resolved": resolved_config(argv)},
+              args.timeout, evaluations_of(name))
         summary = read_summary(out)
         return {"drafter": out, "process_s": summary["wall_time_s"], "global_step": summary["global_step"],
                 "train_s": summary["global_step"] / summary["train_steps_per_second"],

@@ -224,7 +224,9 @@ def test_recipes_load_and_the_seed_recipe_is_exact():
         3, 5e-4, "muon", "cosine", 0.04)
     assert t.loss_weights == {"ce": 0.1, "tv": 0.9} and t.max_anchors == 512
     assert (d.validation_ratio, d.max_seq_length, d.total_seq_length) == (0.04, 2560, 4096)
-    RunConfig.load(os.path.join(ROOT, "configs", "smollm2-135m.yaml"))
+    demo = RunConfig.load(os.path.join(ROOT, "configs", "smollm2-135m.yaml"))
+    # The flagship keeps the published seed recipe's loss; a run that names none gets the package's measured default.
+    assert demo.train.loss_weights == {"kl": 0.5, "tv": 0.5} and demo.objective().loss_weights == {"kl": 0.5, "tv": 0.5}
 
 
 @pytest.mark.slow
