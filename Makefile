@@ -40,7 +40,7 @@ endif
 # $(call markers,EXPR): the -m option of a test target, its own EXPR AND-ed with the user's MARK, shell-quoted.
 markers = -m '$(subst ','\'',$(1)$(if $(strip $(MARK)), and ($(strip $(MARK)))))'
 
-.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-recipe bench-llamacpp gpu-check clean
+.PHONY: test test-faults test-vllm test-llamacpp setup speculators-env vllm-env llamacpp-env lint demo bench bench-recipe bench-llamacpp gpu-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -140,9 +140,24 @@ bench-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 # The GPU machine's check in one call (benchmarks/gpu_check.py): the matrix rate, the gpu tests, our step at the
 # seed recipe's shapes; one JSON and one table. No venv travels to that machine, so it runs the Python found there;
 # GPU_CHECK_ARGS=--cpu-smoke runs the same code paths at tiny shapes on the CPU (the suite does).
+# Its part 4, speculators' step, needs speculators 0.9.0, which the GPU machine lacks and cannot download: gpu-wheels
+# puts it and the dependencies missing there (the versions .venv-speculators runs) into .whl/, for Python 3.12 on
+# x86-64 Linux; carry .whl there and run, before make gpu-check:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 gpu-check:
 	$(OFFLINE) $(GPU_CHECK_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+GPU_WHEELS := speculators==0.9.0 annotated-types==0.8.0 datasets==5.1.0 dill==0.4.1 hs-connectors==0.9.0 \
+	httpcore2==2.16.2 httpx2==2.16.2 jiter==0.19.0 loguru==0.7.3 multiprocess==0.70.19 openai==3.60.0 \
+	pydantic==2.14.4 pydantic-settings==2.16.3 pydantic_core==2.50.5 python-dotenv==1.2.4 sniffio==1.3.1 \
+	truststore==0.10.5 typing-inspection==0.4.5 tzdata==2026.6
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	@du -sh .whl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

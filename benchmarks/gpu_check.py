@@ -14,8 +14,11 @@ In order, each part timed and recorded even when a later one fails:
    512 anchors, fp32 master weights under bf16 autocast, flex attention), once with the package's default objective
    and once with the objective matched to speculators', each with its MFU against the spec peak and against the
    measured matrix rate;
-4. **speculators' step**: run only where speculators 0.9.0 is importable; otherwise the table says it was not run
-   and why (carrying its wheel and dependencies to a machine without network is left to the next check).
+4. **speculators' step** at the same shapes, as it ships (`benchmarks.speculators_gpu_step`: its flex attention,
+   fused Triton loss, Muon + AdamW, under bf16 autocast; a fresh process in `--speculators-python`), and our step's
+   speedup over it per objective. Where speculators does not import, the table says so: the GPU machine has no
+   network, so `make gpu-wheels` downloads speculators 0.9.0 and the dependencies that machine lacks (7.2 MiB)
+   into `.whl/`, to carry and install there before this runs.
 
 It writes one JSON (the protocol's `--json`, default `out/benchmarks/gpu_check.json`) and prints one table; the
 same table is written beside the JSON as Markdown (`gpu_check.md`), ready for benchmarks/RESULTS.md. A failed part
@@ -25,6 +28,7 @@ makes the command fail after everything is written.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -101,13 +105,37 @@ def our_step(smoke: bool, steps: int, warmup: int, overrides: list[list[str]]) -
     return result
 
 
-def speculators_step() -> dict:
-    """speculators' step runs only where speculators is importable (it is not on the lent GPU machine)."""
-    import importlib.util
+def default_speculators_python() -> str:
+    """DSPARK_SPECULATORS_PYTHON, else `.venv-speculators` (here), else this Python (the GPU machine, where
+    `make gpu-wheels`' wheels are installed beside it)."""
+    env = os.environ.get("DSPARK_SPECULATORS_PYTHON")
+    local = os.path.join(ROOT, ".venv-speculators", "bin", "python")
+    return env or (local if os.path.isfile(local) else sys.executable)
 
-    if importlib.util.find_spec("speculators") is None:
-        return {"not_run": "speculators is not installed in this Python"}
-    return {"not_run": "speculators is installed, but its GPU step driver is not written yet"}
+
+def speculators_step(smoke: bool, steps: int, warmup: int, python: str, json_out: Path, timeout: float) -> dict:
+    """`benchmarks.speculators_gpu_step` in `python` (a fresh process: speculators compiles its own graphs), or why
+    it was not run."""
+    probe = subprocess.run([python, "-c", "import speculators"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"not_run": f"speculators does not import in {python} ({last}); carry its wheels with `make "
+                           f"gpu-wheels` and install them there (Makefile, gpu-wheels), or pass --speculators-python"}
+    command = [python, "-m", "benchmarks.speculators_gpu_step", "--json", str(json_out), "--steps", str(steps),
+               "--warmup", str(warmup), *(["--cpu-smoke"] if smoke else [])]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"speculators' step did not finish within {timeout:.0f} s."}
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
+    if proc.returncode != 0 or not json_out.is_file():
+        errors = [line for line in tail if line.startswith("error: ")]
+        return {"failed": errors[-1].removeprefix("error: ") if errors else
+                f"speculators' step exited with status {proc.returncode}", "tail": tail}
+    result = json.loads(json_out.read_text())
+    result.update(command=" ".join(command[1:]), process_s=time.perf_counter() - start, json=str(json_out))
+    return result
 
 
 def add_arguments(parser) -> None:
@@ -116,6 +144,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (flex attention compiles here)")
     parser.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
     parser.add_argument("--tests-timeout", type=float, default=300.0, help="seconds for the gpu tests (default 300)")
+    parser.add_argument("--speculators-python", default=default_speculators_python(),
+                        help="a Python where speculators 0.9.0 imports (default: DSPARK_SPECULATORS_PYTHON, else "
+                             ".venv-speculators, else this one)")
+    parser.add_argument("--speculators-timeout", type=float, default=480.0,
+                        help="seconds for speculators' step, building included (default 480)")
 
 
 def unavailable(args) -> str | None:
@@ -150,7 +183,9 @@ def run(args) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, and the check goes on to the next part
             out["ours"][objective] = {"failed": f"{type(e).__name__}: {e}"}
     print("4/4 speculators' step ...", flush=True)
-    out["speculators"] = speculators_step()
+    theirs = speculators_step(smoke, args.steps, args.warmup, args.speculators_python,
+                              markdown.with_name(markdown.stem + "-speculators.json"), args.speculators_timeout)
+    out["speculators"] = theirs
 
     measured, peak = out["matrix_rate"]["flops_per_s"], out["spec_peak_flops_per_s"]
     rows = [["device", name, "", f"torch {torch.__version__}, CUDA {torch.version.cuda}"],
@@ -186,7 +221,30 @@ def run(args) -> dict:
                  [f"{label}: MFU vs measured rate", result["mfu_measured_rate"], "share",
                   f"{flops / 1e12:.3g} TFLOP per step counted" if flops else ""],
                  [f"{label}: MFU vs spec peak", result["mfu_spec_peak"], "share", ""]]
-    rows.append(["speculators step", None, "s", out["speculators"].get("not_run", "")])
+    if "not_run" in theirs:
+        rows.append(["speculators: step", None, "s", theirs["not_run"]])
+    elif "failed" in theirs:
+        failures.append(f"speculators' step failed: {theirs['failed']}")
+        rows.append(["speculators: step", None, "s", theirs["failed"]])
+    else:
+        median = theirs["step_median_s"]
+        flops = (theirs.get("flops") or {}).get("total")
+        theirs["mfu_measured_rate"] = flops / median / measured if flops else None
+        theirs["mfu_spec_peak"] = flops / median / peak if flops and peak else None
+        memory = theirs.get("memory", {}).get("peak_allocated_bytes")
+        rows += [["speculators: step", median, "s", f"median of {args.steps}; {theirs['precision']}; "
+                                                    f"{theirs['attention']}, {theirs['loss_implementation']} loss"],
+                 ["speculators: peak memory", memory / 2**30 if memory else None, "GiB",
+                  "torch.cuda.max_memory_allocated" if memory else "CUDA only"],
+                 ["speculators: MFU vs measured rate", theirs["mfu_measured_rate"], "share",
+                  f"{flops / 1e12:.3g} TFLOP per step counted" if flops else
+                  (theirs.get("flops") or {}).get("failed", "not counted")]]
+        for objective, result in out["ours"].items():
+            if "step_median_s" in result:
+                ours_memory = result.get("memory", {}).get("peak_allocated_bytes")
+                rows.append([f"step speedup vs speculators, {objective} objective", median / result["step_median_s"],
+                             "x", f"peak memory ratio {ours_memory / memory:.2f}" if ours_memory and memory else
+                             "speculators' median / ours"])
     out["seconds"] = time.time() - started
     out["table"] = rows
     if failures:

@@ -200,8 +200,25 @@ def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_ta
     assert default["objective"]["confidence_target"] == "greedy" and default["objective"]["full_vocab_metrics"]
     assert matched["objective"]["confidence_target"] == "sampled_restricted"
     assert not matched["objective"]["full_vocab_metrics"]
-    assert "not installed" in data["speculators"]["not_run"]
+    # speculators' own step through its CLI's builders, from .venv-speculators (eager loss and sdpa on the CPU)
+    theirs = data["speculators"]
+    assert "not_run" not in theirs and "failed" not in theirs, theirs
+    assert theirs["losses_finite"] and theirs["step_median_s"] > 0 and theirs["optimizers"] == ["Muon", "AdamW"]
+    assert (theirs["attention"], theirs["loss_implementation"]) == ("sdpa", "eager")
+    assert theirs["shape"]["block_size"] == 8 and theirs["flops"]["total"] > 0
     table = (tmp_path / "gpu_check.md").read_text().splitlines()
     assert table[0] == "| measurement | value | unit | note |" and len(table) == len(data["table"]) + 2
     assert any(line.startswith("| ours, default objective: step |") for line in table)
+    speedup = [line for line in table if line.startswith("| step speedup vs speculators, default objective |")]
+    assert len(speedup) == 1 and float(speedup[0].split("|")[2]) == pytest.approx(
+        theirs["step_median_s"] / default["step_median_s"], rel=1e-3)
     assert f"table: {out.with_suffix('.md')}" in proc.stdout or "gpu_check.md" in proc.stdout
+
+
+def test_gpu_check_says_how_to_bring_speculators_where_it_does_not_import(tmp_path):
+    """The GPU machine has no speculators and no network: the check names the way to carry it, and runs nothing."""
+    from benchmarks.gpu_check import speculators_step
+
+    result = speculators_step(True, 1, 0, sys.executable, tmp_path / "s.json", 60)  # .venv: no speculators
+    assert set(result) == {"not_run"} and "make gpu-wheels" in result["not_run"]
+    assert "No module named 'speculators'" in result["not_run"] and not (tmp_path / "s.json").exists()
