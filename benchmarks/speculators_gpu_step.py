@@ -136,11 +136,9 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool) -> dict:
 
     import speculators
     import torch
-    from speculators.model import SpeculatorModel
-    from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
-    from speculators.train.config.schema import TrainConfig
     from speculators.train.optimizers import build_optimizers
-    from speculators.train.trainer import TrainerConfig
+
+    from benchmarks.speculators_recipe import build_from_argv, speculators_trainer_config
 
     if not smoke and not torch.cuda.is_available():
         raise BenchmarkError("no CUDA device: this measures speculators' GPU step; pass --cpu-smoke to check the "
@@ -152,23 +150,10 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool) -> dict:
         print("writing the verifier folder, draft config and vocabulary mappings ...", flush=True)
         shape = write_inputs(directory, smoke)
         argv = speculators_argv(directory, shape, smoke)
-        cfg = TrainConfig.resolve(argv)
-        args = argparse.Namespace(**cfg.flatten())
-        set_seed(0)
-        d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
-        model_class = SpeculatorModel.registry["dspark"]
         print("building speculators' DSparkDraftModel ...", flush=True)
-        model = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float().to(device)
-        model.train()
-        train_kwargs, _ = model_class.get_trainer_kwargs(**vars(args))
-        trainer_config = TrainerConfig(
-            num_epochs=args.epochs, save_path=args.save_path, lr=args.lr, optimizer=args.optimizer,
-            weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
-            muon_weight_decay=args.muon_weight_decay, muon_ns_steps=args.muon_ns_steps,
-            muon_adjust_lr_fn=args.muon_adjust_lr_fn, scheduler_type=args.scheduler_type,
-            scheduler_warmup_steps=args.scheduler_warmup_steps, scheduler_warmup_ratio=args.scheduler_warmup_ratio,
-            scheduler_total_steps=args.scheduler_total_steps, max_steps=args.max_steps,
-            train_call_kwargs=train_kwargs, val_call_kwargs=train_kwargs)
+        args, model, train_kwargs = build_from_argv(argv)
+        model.to(device)
+        trainer_config = speculators_trainer_config(args, train_kwargs)
         if smoke:  # bf16 Newton-Schulz is emulated, and catastrophically slow, on CPUs without bf16 matmuls
             from benchmarks.speculators_step import float32_newton_schulz
 

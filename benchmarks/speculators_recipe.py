@@ -55,6 +55,38 @@ def speculators_argv(work: Path, verifier: str, shape: dict, steps: int, seed: i
             "--data-path", str(work / "data"), "--save-path", str(out / "save")]
 
 
+def build_from_argv(argv: list[str]):
+    """What `speculators train argv` builds before its Trainer: the resolved arguments, the DSpark draft model (fp32,
+    in training mode, seeded by its `--seed`) and the keyword arguments its Trainer calls the model with."""
+    from speculators.model import SpeculatorModel
+    from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
+    from speculators.train.config.schema import TrainConfig
+
+    args = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
+    set_seed(args.seed)
+    d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
+    model_class = SpeculatorModel.registry["dspark"]
+    model = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float()
+    model.train()
+    train_kwargs, _ = model_class.get_trainer_kwargs(**vars(args))
+    return args, model, train_kwargs
+
+
+def speculators_trainer_config(args: argparse.Namespace, train_kwargs: dict):
+    """speculators' `TrainerConfig` from its resolved command line, as its `train` entry point builds it (the
+    optimizer and scheduler settings are what this and `benchmarks.speculators_gpu_step` read from it)."""
+    from speculators.train.trainer import TrainerConfig
+
+    return TrainerConfig(
+        num_epochs=args.epochs, save_path=args.save_path, lr=args.lr, optimizer=args.optimizer,
+        weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
+        muon_weight_decay=args.muon_weight_decay, muon_ns_steps=args.muon_ns_steps,
+        muon_adjust_lr_fn=args.muon_adjust_lr_fn, scheduler_type=args.scheduler_type,
+        scheduler_warmup_steps=args.scheduler_warmup_steps, scheduler_warmup_ratio=args.scheduler_warmup_ratio,
+        scheduler_total_steps=args.scheduler_total_steps, max_steps=args.max_steps,
+        train_call_kwargs=train_kwargs, val_call_kwargs=train_kwargs)
+
+
 def read_rows(path: Path) -> list[dict]:
     """The packed training rows `benchmarks.recipe` wrote: flat tensors cut at `offsets`."""
     from safetensors.torch import load_file
@@ -68,36 +100,19 @@ def train(work: Path, verifier: str, steps: int, seed: int, out: Path) -> dict:
     process_started = time.perf_counter()
     import speculators
     import torch
-    from speculators.model import SpeculatorModel
-    from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
-    from speculators.train.config.schema import TrainConfig
     from speculators.train.optimizers import build_optimizers
-    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+    from speculators.train.trainer import _resolve_scheduler_steps
     from transformers import get_linear_schedule_with_warmup
 
     from trainer.states.offline_cache import OfflineCache
 
     shape = json.loads((work / "data" / "shape.json").read_text())
     argv = speculators_argv(work, verifier, shape, steps, seed, out)
-    cfg = TrainConfig.resolve(argv)
-    args = argparse.Namespace(**cfg.flatten())
+    args, model, train_kwargs = build_from_argv(argv)
     if args.scheduler_type != "linear":
         raise BenchmarkError(f"speculators' default scheduler is now {args.scheduler_type!r}, which this runner does "
                              f"not build; update benchmarks/speculators_recipe.py.")
-    set_seed(args.seed)
-    d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
-    model_class = SpeculatorModel.registry["dspark"]
-    model = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float()
-    model.train()
-    train_kwargs, _ = model_class.get_trainer_kwargs(**vars(args))
-    trainer_config = TrainerConfig(
-        num_epochs=args.epochs, save_path=args.save_path, lr=args.lr, optimizer=args.optimizer,
-        weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
-        muon_weight_decay=args.muon_weight_decay, muon_ns_steps=args.muon_ns_steps,
-        muon_adjust_lr_fn=args.muon_adjust_lr_fn, scheduler_type=args.scheduler_type,
-        scheduler_warmup_steps=args.scheduler_warmup_steps, scheduler_warmup_ratio=args.scheduler_warmup_ratio,
-        scheduler_total_steps=args.scheduler_total_steps, max_steps=args.max_steps,
-        train_call_kwargs=train_kwargs, val_call_kwargs=train_kwargs)
+    trainer_config = speculators_trainer_config(args, train_kwargs)
     float32_newton_schulz()
     optimizers = build_optimizers(model, trainer_config)
     rows = read_rows(work / "data" / "rows.safetensors")
