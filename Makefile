@@ -143,7 +143,7 @@ bench-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 # Its part 4, speculators' step, needs speculators 0.9.0, which the GPU machine lacks and cannot download: gpu-wheels
 # puts it and the dependencies missing there (the versions .venv-speculators runs) into .whl/, for Python 3.12 on
 # x86-64 Linux; carry .whl there and run, before make gpu-check:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   python3 -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl && export PYTHONPATH=$PWD/.whl/site
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 gpu-check:
 	$(OFFLINE) $(GPU_CHECK_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)

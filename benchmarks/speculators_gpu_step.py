@@ -177,28 +177,25 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool) -> dict:
             opt.step()
         losses.append(float(loss.detach()))
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def timed(n: int) -> list[float]:
+        """Seconds of each of `n` steps, the device synchronised around each."""
+        seconds = []
+        for _ in range(n):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - t0)
+        return seconds
 
     print(f"warm-up: {warmup} steps (flex attention and torch.compile build here) ...", flush=True)
-    warm = []
-    for _ in range(warmup):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        warm.append(time.perf_counter() - t0)
+    warm = timed(warmup)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     print(f"timing: {steps} steps ...", flush=True)
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
+    times = timed(steps)
     memory = {}
     if device.type == "cuda":
         memory = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
