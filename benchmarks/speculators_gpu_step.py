@@ -159,9 +159,8 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool) -> dict:
 
             float32_newton_schulz()
         optimizers = build_optimizers(model, trainer_config)
-    aux_size = model.fc.in_features if hasattr(model, "fc") else len(shape["aux_hidden_state_layer_ids"]) * \
-        shape["hidden"]
-    batch = synthetic_batch(shape, aux_size, device, torch.float32 if smoke else torch.bfloat16)
+    # the aux states' width is what speculators' input projection takes (aux layers x verifier hidden)
+    batch = synthetic_batch(shape, model.fc.in_features, device, torch.float32 if smoke else torch.bfloat16)
     autocast = contextlib.nullcontext if smoke else (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
     params = list(model.parameters())
     losses: list[float] = []
