@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_BENCHMARKS = {"common", "run", "speculators_step", "speculators_recipe"}  # the protocol, the driver, the
-# speculators sides of train_step and recipe
+NOT_BENCHMARKS = {"common", "run", "speculators_step", "speculators_recipe", "speculators_gpu_step"}  # the protocol,
+# the driver, the speculators sides of train_step, recipe and gpu_check
 PROVENANCE = ("schema", "benchmark", "date", "command", "quick", "machine", "versions", "git")
 
 

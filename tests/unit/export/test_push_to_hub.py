@@ -417,7 +417,7 @@ def test_card_metadata_tables_and_plot_come_from_the_results(staged, results_fil
     assert "throughput speedup over the verifier alone of 2.00× on math_reasoning and 1.25× on qa." in text
     assert f"vllm serve {REPO}" in text and 'revision=REVISION' in text and f'custom_generate="{REPO}"' in text
     assert "- Hidden size 64 (the verifier's), MLP size 128" in text  # from config.json
-    assert "Loss: {\"ce\": 0.1, \"tv\": 0.9}" in text and "conversations capped at 128 tokens" in text  # run config
+    assert "Loss: {\"kl\": 0.5, \"tv\": 0.5}" in text and "conversations capped at 128 tokens" in text  # run config
     png = (staged.folder / PLOT_FILE).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 1000  # two panels wide
 
