@@ -260,6 +260,8 @@ ATTRIBUTION = {
     "loss": ("speculators' loss: KL alone (ours: 0.5 KL + 0.5 TV)", ["--loss_weights", '{"kl": 1.0}']),
     "schedule": ("speculators' learning rate and schedule: 1e-3, linear, 1% warm-up (ours: 5e-3, cosine, 4%)",
                  ["--learning_rate", "1e-3", "--lr_scheduler_type", "linear", "--warmup_ratio", "0.01"]),
+    "decay": ("speculators' per-position decay: gamma 4 (ours: 2 in configs/smollm2-135m.yaml, block 4)",
+              ["--decay_gamma", "4"]),
     "confidence": ("speculators' confidence target: sampled_restricted (ours: greedy)",
                    ["--confidence_target", "sampled_restricted"]),
     "anchors": ("speculators' anchor count: 512 (ours: 64 per document; 512 takes every candidate of these rows)",
