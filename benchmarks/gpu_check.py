@@ -22,7 +22,9 @@ In order, each part timed and recorded even when a later one fails:
 
 It writes one JSON (the protocol's `--json`, default `out/benchmarks/gpu_check.json`) and prints one table; the
 same table is written beside the JSON as Markdown (`gpu_check.md`), ready for benchmarks/RESULTS.md. A failed part
-makes the command fail after everything is written.
+makes the command fail after everything is written. After each part, what is measured so far is also written to
+`gpu_check.partial.json` beside it and summarised in one printed line, so a run cut off by a short lease still leaves
+its finished parts behind.
 """
 
 from __future__ import annotations
@@ -138,6 +140,26 @@ def speculators_step(smoke: bool, steps: int, warmup: int, python: str, json_out
     return result
 
 
+def record_part(out: dict, markdown: Path, part: str) -> None:
+    """What is measured so far, written beside the final JSON, and one line for the log: a lease that ends
+    mid-run (the whole check is sized to one short device call) must not lose the parts already done."""
+    result = out.get(part)
+    if part == "matrix_rate":
+        line = f"{result['flops_per_s'] / 1e12:.4g} TFLOP/s ({result['dtype']} {result['n']}^3)"
+    elif part == "gpu_tests":
+        line = result.get("failed") or result.get("skipped") or f"{result['counts']} in {result['seconds']:.0f} s"
+    else:
+        results = result.items() if part == "ours" else [("as it ships", result)]
+        line = "; ".join(f"{name}: " + (f"step {r['step_median_s']:.4g} s" if "step_median_s" in r else
+                                        str(r.get("failed") or r.get("not_run"))) for name, r in results)
+    print(f"   {part}: {line}", flush=True)
+    path = markdown.with_name(markdown.stem + ".partial.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(path)
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks every code path)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per objective (median reported)")
@@ -173,8 +195,10 @@ def run(args) -> dict:
     print("1/4 matrix rate ...", flush=True)
     out["matrix_rate"] = matrix_rate(device, torch.float32 if smoke else torch.bfloat16, 512 if smoke else 8192,
                                      3 if smoke else 20)
+    record_part(out, markdown, "matrix_rate")
     print("2/4 gpu tests ...", flush=True)
     out["gpu_tests"] = {"skipped": "--skip-tests"} if args.skip_tests else gpu_tests(args.tests_timeout)
+    record_part(out, markdown, "gpu_tests")
     print("3/4 our training step, default and matched objectives ...", flush=True)
     out["ours"] = {}
     for objective, overrides in (("default", []), ("matched", MATCHED)):
@@ -182,10 +206,12 @@ def run(args) -> dict:
             out["ours"][objective] = our_step(smoke, args.steps, args.warmup, overrides)
         except Exception as e:  # noqa: BLE001 - recorded, and the check goes on to the next part
             out["ours"][objective] = {"failed": f"{type(e).__name__}: {e}"}
+        record_part(out, markdown, "ours")
     print("4/4 speculators' step ...", flush=True)
     theirs = speculators_step(smoke, args.steps, args.warmup, args.speculators_python,
                               markdown.with_name(markdown.stem + "-speculators.json"), args.speculators_timeout)
     out["speculators"] = theirs
+    record_part(out, markdown, "speculators")
 
     measured, peak = out["matrix_rate"]["flops_per_s"], out["spec_peak_flops_per_s"]
     rows = [["device", name, "", f"torch {torch.__version__}, CUDA {torch.version.cuda}"],

@@ -213,6 +213,11 @@ def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_ta
     assert len(speedup) == 1 and float(speedup[0].split("|")[2]) == pytest.approx(
         theirs["step_median_s"] / default["step_median_s"], rel=1e-3)
     assert f"table: {out.with_suffix('.md')}" in proc.stdout or "gpu_check.md" in proc.stdout
+    # after each part, the parts so far (a short lease that ends mid-run keeps them): the last write holds them all
+    partial = json.loads((tmp_path / "gpu_check.partial.json").read_text())
+    assert partial["ours"]["default"]["step_median_s"] == default["step_median_s"]
+    assert partial["speculators"]["step_median_s"] == theirs["step_median_s"]
+    assert "   ours: default: step " in proc.stdout and "   speculators: as it ships: step " in proc.stdout
 
 
 def test_gpu_check_says_how_to_bring_speculators_where_it_does_not_import(tmp_path):
