@@ -12,13 +12,15 @@ In order, each part timed and recorded even when a later one fails:
    the CPU they are skipped, which the smoke reports as such;
 3. **our training step** at the seed recipe's shapes (`benchmarks.gpu_step`: the gemma-4-E4B-it drafter, T = 4096,
    512 anchors, fp32 master weights under bf16 autocast, flex attention), once with the package's default objective
-   and once with the objective matched to speculators', each with its MFU against the spec peak and against the
-   measured matrix rate;
+   and once with the objective matched to speculators', each in a fresh process, each with its MFU against the
+   spec peak and against the measured matrix rate;
 4. **speculators' step** at the same shapes, as it ships (`benchmarks.speculators_gpu_step`: its flex attention,
    fused Triton loss, Muon + AdamW, under bf16 autocast; a fresh process in `--speculators-python`), and our step's
-   speedup over it per objective. Where speculators does not import, the table says so: the GPU machine has no
-   network, so `make gpu-wheels` downloads speculators 0.9.0 and the dependencies that machine lacks (7.2 MiB)
-   into `.whl/`, to carry and install there before this runs.
+   speedup over it per objective. Where the shipped step fails (on the H200 with torch 2.11, Dynamo failed inside
+   its fused loss), it is measured again with speculators' eager loss and the table says which ran. Where
+   speculators does not import, the table says so: the GPU machine has no network, so `make gpu-wheels` downloads
+   speculators 0.9.0 and the dependencies that machine lacks (7.2 MiB) into `.whl/`, to carry and install there
+   before this runs.
 
 It writes one JSON (the protocol's `--json`, default `out/benchmarks/gpu_check.json`) and prints one table; the
 same table is written beside the JSON as Markdown (`gpu_check.md`), ready for benchmarks/RESULTS.md. A failed part
@@ -29,7 +31,6 @@ its finished parts behind.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -50,6 +51,7 @@ from benchmarks.gpu_step import spec_peak  # noqa: E402
 NAME = "gpu_check"
 QUICK_ARGS = ["--quick"] if torch.cuda.is_available() else ["--quick", "--cpu-smoke"]
 MATCHED = [["confidence_target", "sampled_restricted"], ["full_vocab_metrics", "false"]]
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unsupported): ")  # a traceback's last line
 TEST_PATHS = ["tests/gpu", "tests/unit/train/test_optim.py"]
 
 
@@ -96,15 +98,36 @@ def gpu_tests(timeout: float) -> dict:
     return result
 
 
-def our_step(smoke: bool, steps: int, warmup: int, overrides: list[list[str]]) -> dict:
-    """`benchmarks.gpu_step` in this process with the recipe overrides `overrides`."""
-    from benchmarks import gpu_step
-
-    args = argparse.Namespace(cpu_smoke=smoke, quick=False, steps=steps, warmup=warmup, bf16_weights=False,
-                              attn=None, no_flops=False, set=overrides)
-    result = gpu_step.run(args)
+def step_process(label: str, command: list[str], json_out: Path, timeout: float) -> dict:
+    """One step benchmark as its own process, its JSON read back, or why it failed (its last `error:` line, else
+    its exit status, with the tail of its output). A fresh process per measurement: compiled graphs, dispatch
+    modes and allocator state of one step cannot leak into the next."""
+    json_out.unlink(missing_ok=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"{label} did not finish within {timeout:.0f} s."}
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
+    if proc.returncode != 0 or not json_out.is_file():
+        errors = [line.removeprefix("error: ") for line in tail if line.startswith("error: ")]
+        raised = [line for line in (proc.stdout + proc.stderr).splitlines() if EXCEPTION_LINE.match(line)]
+        cause = (errors or raised or [None])[-1]
+        return {"failed": f"{label} exited with status {proc.returncode}" + (f": {cause}" if cause else ""),
+                "tail": tail}
+    result = json.loads(json_out.read_text())
     result.pop("table", None)
+    result.update(command=" ".join(command[1:]), process_s=time.perf_counter() - start, json=str(json_out))
     return result
+
+
+def our_step(smoke: bool, steps: int, warmup: int, overrides: list[list[str]], json_out: Path,
+             timeout: float) -> dict:
+    """`benchmarks.gpu_step` with the recipe overrides `overrides`, in a fresh process."""
+    command = [sys.executable, "-m", "benchmarks.gpu_step", "--json", str(json_out), "--steps", str(steps),
+               "--warmup", str(warmup), *(["--cpu-smoke"] if smoke else []),
+               *[item for key, value in overrides for item in ("--set", key, value)]]
+    return step_process("our step", command, json_out, timeout)
 
 
 def default_speculators_python() -> str:
@@ -115,29 +138,34 @@ def default_speculators_python() -> str:
     return env or (local if os.path.isfile(local) else sys.executable)
 
 
-def speculators_step(smoke: bool, steps: int, warmup: int, python: str, json_out: Path, timeout: float) -> dict:
-    """`benchmarks.speculators_gpu_step` in `python` (a fresh process: speculators compiles its own graphs), or why
-    it was not run."""
+def speculators_step(smoke: bool, steps: int, warmup: int, python: str, json_out: Path, timeout: float,
+                     loss_implementation: str | None = None) -> dict:
+    """`benchmarks.speculators_gpu_step` in `python`, as speculators ships (its fused Triton loss on a GPU), or why
+    it was not run. Where that fails, the step is measured again with speculators' eager loss, and the result says
+    so (`as_shipped_failed`): a number for its model and optimizer is still worth having beside the failure."""
     probe = subprocess.run([python, "-c", "import speculators"], capture_output=True, text=True)
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return {"not_run": f"speculators does not import in {python} ({last}); carry its wheels with `make "
                            f"gpu-wheels` and install them there (Makefile, gpu-wheels), or pass --speculators-python"}
     command = [python, "-m", "benchmarks.speculators_gpu_step", "--json", str(json_out), "--steps", str(steps),
-               "--warmup", str(warmup), *(["--cpu-smoke"] if smoke else [])]
+               "--warmup", str(warmup), *(["--cpu-smoke"] if smoke else []),
+               *(["--loss-implementation", loss_implementation] if loss_implementation else [])]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"speculators' step did not finish within {timeout:.0f} s."}
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
-    if proc.returncode != 0 or not json_out.is_file():
-        errors = [line for line in tail if line.startswith("error: ")]
-        return {"failed": errors[-1].removeprefix("error: ") if errors else
-                f"speculators' step exited with status {proc.returncode}", "tail": tail}
-    result = json.loads(json_out.read_text())
-    result.update(command=" ".join(command[1:]), process_s=time.perf_counter() - start, json=str(json_out))
-    return result
+    result = step_process("speculators' step", command, json_out, timeout)
+    if "failed" not in result or (loss_implementation or ("eager" if smoke else "fused")) == "eager":
+        return result
+    remaining = timeout - (time.perf_counter() - start)
+    if remaining < 60:
+        return result
+    retry = step_process("speculators' step (eager loss)", [*command, "--loss-implementation", "eager"], json_out,
+                         remaining)  # argparse keeps the last --loss-implementation
+    if "failed" in retry:
+        result["eager_retry"] = retry
+        return result
+    retry["as_shipped_failed"] = result["failed"]
+    retry["as_shipped_tail"] = result.get("tail", [])
+    return retry
 
 
 def record_part(out: dict, markdown: Path, part: str) -> None:
@@ -149,7 +177,8 @@ def record_part(out: dict, markdown: Path, part: str) -> None:
     elif part == "gpu_tests":
         line = result.get("failed") or result.get("skipped") or f"{result['counts']} in {result['seconds']:.0f} s"
     else:
-        results = result.items() if part == "ours" else [("as it ships", result)]
+        results = result.items() if part == "ours" else [
+            ("eager loss, the shipped one failed" if "as_shipped_failed" in result else "as it ships", result)]
         line = "; ".join(f"{name}: " + (f"step {r['step_median_s']:.4g} s" if "step_median_s" in r else
                                         str(r.get("failed") or r.get("not_run"))) for name, r in results)
     print(f"   {part}: {line}", flush=True)
@@ -169,8 +198,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--speculators-python", default=default_speculators_python(),
                         help="a Python where speculators 0.9.0 imports (default: DSPARK_SPECULATORS_PYTHON, else "
                              ".venv-speculators, else this one)")
-    parser.add_argument("--speculators-timeout", type=float, default=480.0,
-                        help="seconds for speculators' step, building included (default 480)")
+    parser.add_argument("--step-timeout", type=float, default=240.0,
+                        help="seconds for each of our steps, building and compiling included (default 240)")
+    parser.add_argument("--speculators-timeout", type=float, default=300.0,
+                        help="seconds for speculators' step, building and a retry with its eager loss included "
+                             "(default 300)")
 
 
 def unavailable(args) -> str | None:
@@ -203,7 +235,9 @@ def run(args) -> dict:
     out["ours"] = {}
     for objective, overrides in (("default", []), ("matched", MATCHED)):
         try:
-            out["ours"][objective] = our_step(smoke, args.steps, args.warmup, overrides)
+            out["ours"][objective] = our_step(smoke, args.steps, args.warmup, overrides,
+                                              markdown.with_name(f"{markdown.stem}-ours-{objective}.json"),
+                                              args.step_timeout)
         except Exception as e:  # noqa: BLE001 - recorded, and the check goes on to the next part
             out["ours"][objective] = {"failed": f"{type(e).__name__}: {e}"}
         record_part(out, markdown, "ours")
@@ -258,8 +292,10 @@ def run(args) -> dict:
         theirs["mfu_measured_rate"] = flops / median / measured if flops else None
         theirs["mfu_spec_peak"] = flops / median / peak if flops and peak else None
         memory = theirs.get("memory", {}).get("peak_allocated_bytes")
+        shipped = theirs.get("as_shipped_failed")
         rows += [["speculators: step", median, "s", f"median of {args.steps}; {theirs['precision']}; "
-                                                    f"{theirs['attention']}, {theirs['loss_implementation']} loss"],
+                                                    f"{theirs['attention']}, {theirs['loss_implementation']} loss" +
+                  (f" (as it ships, with its fused loss, it failed: {shipped[:160]})" if shipped else "")],
                  ["speculators: peak memory", memory / 2**30 if memory else None, "GiB",
                   "torch.cuda.max_memory_allocated" if memory else "CUDA only"],
                  ["speculators: MFU vs measured rate", theirs["mfu_measured_rate"], "share",

@@ -97,9 +97,9 @@ def write_inputs(directory: Path, smoke: bool) -> dict:
             "vocab": text.vocab_size, "hidden": text.hidden_size}
 
 
-def speculators_argv(directory: Path, shape: dict, smoke: bool) -> list[str]:
+def speculators_argv(directory: Path, shape: dict, smoke: bool, loss_implementation: str | None = None) -> list[str]:
     """The `speculators train` command line: the seed recipe's shape, speculators' defaults for the rest (on the
-    CPU smoke: sdpa and the eager loss, which run without a GPU)."""
+    CPU smoke: sdpa and the eager loss, which run without a GPU); `loss_implementation` overrides its loss."""
     argv = ["--speculator-type", "dspark", "--verifier-name-or-path", shape["verifier"],
             "--draft-config", shape["draft_config"],
             "--target-layer-ids", *[str(i) for i in shape["aux_hidden_state_layer_ids"]],
@@ -111,7 +111,9 @@ def speculators_argv(directory: Path, shape: dict, smoke: bool) -> list[str]:
     if shape["mask_token_id"] is not None:  # the folder holds no tokenizer to resolve it from, as ours resolves it
         argv += ["--mask-token-id", str(shape["mask_token_id"])]
     if smoke:
-        argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+        argv += ["--draft-attn-impl", "sdpa"]
+    if smoke or loss_implementation:
+        argv += ["--loss-implementation", loss_implementation or "eager"]
     return argv
 
 
@@ -131,7 +133,7 @@ def synthetic_batch(shape: dict, aux_size: int, device, dtype) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def run(smoke: bool, steps: int, warmup: int, flops: bool) -> dict:
+def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: str | None = None) -> dict:
     import contextlib
 
     import speculators
@@ -149,7 +151,7 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool) -> dict:
         directory = Path(tmp)
         print("writing the verifier folder, draft config and vocabulary mappings ...", flush=True)
         shape = write_inputs(directory, smoke)
-        argv = speculators_argv(directory, shape, smoke)
+        argv = speculators_argv(directory, shape, smoke, loss_implementation)
         print("building speculators' DSparkDraftModel ...", flush=True)
         args, model, train_kwargs = build_from_argv(argv)
         model.to(device)
@@ -236,6 +238,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count of one extra step")
+    parser.add_argument("--loss-implementation", choices=["fused", "eager"], default=None,
+                        help="speculators' loss (default: as it ships, fused Triton on a GPU; eager on the CPU smoke)")
     args = parser.parse_args(argv)
     try:
         if args.warmup < 0 or args.steps < 1:
@@ -247,7 +251,7 @@ def main(argv=None) -> None:
             raise BenchmarkError(f"speculators does not import in this Python ({e}); run this with "
                                  f".venv-speculators/bin/python, or install `make gpu-wheels`' wheels first on a "
                                  f"machine without network.") from None
-        result = run(args.cpu_smoke, args.steps, args.warmup, not args.no_flops)
+        result = run(args.cpu_smoke, args.steps, args.warmup, not args.no_flops, args.loss_implementation)
         write_json(args.json, result)
         print(f"speculators step: median {result['step_median_s']:.4g} s, losses finite: {result['losses_finite']}",
               flush=True)

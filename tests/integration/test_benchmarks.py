@@ -220,6 +220,21 @@ def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_ta
     assert "   ours: default: step " in proc.stdout and "   speculators: as it ships: step " in proc.stdout
 
 
+@pytest.mark.speculators
+@pytest.mark.slow
+def test_gpu_check_measures_speculators_with_its_eager_loss_where_the_shipped_loss_fails(tmp_path):
+    """On the H200 (torch 2.11) speculators' fused Triton loss failed under Dynamo: the check then measures its step
+    with the eager loss and keeps the failure beside it. Here the fused loss fails for real (no Triton on a CPU)."""
+    from conftest import speculators_python
+
+    from benchmarks.gpu_check import speculators_step
+
+    result = speculators_step(True, 1, 0, speculators_python(), tmp_path / "s.json", 300, "fused")
+    assert "failed" not in result and result["loss_implementation"] == "eager" and result["step_median_s"] > 0
+    assert result["as_shipped_failed"].startswith("speculators' step exited with status 1: RuntimeError: Fused")
+    assert result["command"].endswith("--loss-implementation fused --loss-implementation eager")
+
+
 def test_gpu_check_says_how_to_bring_speculators_where_it_does_not_import(tmp_path):
     """The GPU machine has no speculators and no network: the check names the way to carry it, and runs nothing."""
     from benchmarks.gpu_check import speculators_step
