@@ -3,7 +3,8 @@
     make gpu-check                                  # = python -m benchmarks.gpu_check (on the GPU machine)
     make gpu-check GPU_CHECK_ARGS=--cpu-smoke       # the same code paths at tiny shapes on the CPU (in the suite)
 
-In order, each part timed and recorded even when a later one fails:
+In order, each part timed and recorded even when a later one fails, the whole within `--budget` (480 s by default:
+each part's own timeout is cut to what is left):
 
 1. **matrix rate**: the bf16 matmul rate the chip really gives (8192^3, after a warm-up; fp32 at 512^3 in the
    smoke), and the chip's dense bf16 spec peak where its name is known (`benchmarks.gpu_step.SPEC_PEAK`);
@@ -203,6 +204,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--speculators-timeout", type=float, default=300.0,
                         help="seconds for speculators' step, building and a retry with its eager loss included "
                              "(default 300)")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds for the whole check (default 480, what a short device lease leaves): each "
+                             "part's timeout is cut to what is left, and a part with under 20 s left is not started")
 
 
 def unavailable(args) -> str | None:
@@ -219,6 +223,14 @@ def run(args) -> dict:
     device = torch.device("cpu" if smoke else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpu_model()
     started = time.time()
+
+    def left(timeout: float) -> float:
+        """A part's timeout, cut to what the check's --budget has left."""
+        return min(timeout, args.budget - (time.time() - started))
+
+    def spent(part: str) -> dict:
+        return {"failed": f"{part} not started: under 20 s of the check's --budget of {args.budget:.0f} s was left."}
+
     markdown = (args.json or common.default_json(NAME, args.quick)).with_suffix(".md")
     out: dict = {"markdown": str(markdown), "smoke": smoke, "device": name, "torch": torch.__version__,
                  "cuda": torch.version.cuda, "spec_peak_flops_per_s": None if smoke else spec_peak(name)}
@@ -229,7 +241,8 @@ def run(args) -> dict:
                                      3 if smoke else 20)
     record_part(out, markdown, "matrix_rate")
     print("2/4 gpu tests ...", flush=True)
-    out["gpu_tests"] = {"skipped": "--skip-tests"} if args.skip_tests else gpu_tests(args.tests_timeout)
+    out["gpu_tests"] = ({"skipped": "--skip-tests"} if args.skip_tests else
+                        gpu_tests(left(args.tests_timeout)) if left(args.tests_timeout) >= 20 else spent("the gpu tests"))
     record_part(out, markdown, "gpu_tests")
     print("3/4 our training step, default and matched objectives ...", flush=True)
     out["ours"] = {}
@@ -237,13 +250,14 @@ def run(args) -> dict:
         try:
             out["ours"][objective] = our_step(smoke, args.steps, args.warmup, overrides,
                                               markdown.with_name(f"{markdown.stem}-ours-{objective}.json"),
-                                              args.step_timeout)
+                                              left(args.step_timeout)) if left(args.step_timeout) >= 20 else spent("our step")
         except Exception as e:  # noqa: BLE001 - recorded, and the check goes on to the next part
             out["ours"][objective] = {"failed": f"{type(e).__name__}: {e}"}
         record_part(out, markdown, "ours")
     print("4/4 speculators' step ...", flush=True)
     theirs = speculators_step(smoke, args.steps, args.warmup, args.speculators_python,
-                              markdown.with_name(markdown.stem + "-speculators.json"), args.speculators_timeout)
+                              markdown.with_name(markdown.stem + "-speculators.json"),
+                              left(args.speculators_timeout)) if left(args.speculators_timeout) >= 20 else spent("speculators' step")
     out["speculators"] = theirs
     record_part(out, markdown, "speculators")
 

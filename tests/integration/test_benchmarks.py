@@ -220,6 +220,22 @@ def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_ta
     assert "   ours: default: step " in proc.stdout and "   speculators: as it ships: step " in proc.stdout
 
 
+def test_gpu_check_starts_no_part_that_its_budget_cannot_hold(tmp_path):
+    """A device lease is short: with its --budget spent, the check starts nothing more, says so per part and fails,
+    after writing what it has."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--cpu-smoke", "--budget", "15", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stdout.strip().splitlines()[-1] == "table: " + str(out.with_suffix(".md"))
+    data = json.loads(out.read_text())
+    assert data["matrix_rate"]["flops_per_s"] > 0
+    spent = " not started: under 20 s of the check's --budget of 15 s was left."
+    assert data["gpu_tests"] == {"failed": "the gpu tests" + spent}
+    assert data["speculators"] == {"failed": "speculators' step" + spent}
+    assert data["ours"] == {"default": {"failed": "our step" + spent}, "matched": {"failed": "our step" + spent}}
+    assert proc.stderr.startswith("error: ") and data["failed"].startswith("the gpu tests" + spent)
+
+
 @pytest.mark.speculators
 @pytest.mark.slow
 def test_gpu_check_measures_speculators_with_its_eager_loss_where_the_shipped_loss_fails(tmp_path):
