@@ -32,6 +32,7 @@ its finished parts behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -224,12 +225,13 @@ def run(args) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpu_model()
     started = time.time()
 
-    def left(timeout: float) -> float:
-        """A part's timeout, cut to what the check's --budget has left."""
-        return min(timeout, args.budget - (time.time() - started))
-
-    def spent(part: str) -> dict:
-        return {"failed": f"{part} not started: under 20 s of the check's --budget of {args.budget:.0f} s was left."}
+    def budgeted(part: str, timeout: float, measure) -> dict:
+        """`measure(timeout)` with its timeout cut to what the check's --budget has left; not started under 20 s."""
+        left = min(timeout, args.budget - (time.time() - started))
+        if left < 20:
+            return {"failed": f"{part} not started: under 20 s of the check's --budget of {args.budget:.0f} s was "
+                              f"left."}
+        return measure(left)
 
     markdown = (args.json or common.default_json(NAME, args.quick)).with_suffix(".md")
     out: dict = {"markdown": str(markdown), "smoke": smoke, "device": name, "torch": torch.__version__,
@@ -242,22 +244,22 @@ def run(args) -> dict:
     record_part(out, markdown, "matrix_rate")
     print("2/4 gpu tests ...", flush=True)
     out["gpu_tests"] = ({"skipped": "--skip-tests"} if args.skip_tests else
-                        gpu_tests(left(args.tests_timeout)) if left(args.tests_timeout) >= 20 else spent("the gpu tests"))
+                        budgeted("the gpu tests", args.tests_timeout, gpu_tests))
     record_part(out, markdown, "gpu_tests")
     print("3/4 our training step, default and matched objectives ...", flush=True)
     out["ours"] = {}
     for objective, overrides in (("default", []), ("matched", MATCHED)):
         try:
-            out["ours"][objective] = our_step(smoke, args.steps, args.warmup, overrides,
-                                              markdown.with_name(f"{markdown.stem}-ours-{objective}.json"),
-                                              left(args.step_timeout)) if left(args.step_timeout) >= 20 else spent("our step")
+            json_out = markdown.with_name(f"{markdown.stem}-ours-{objective}.json")
+            out["ours"][objective] = budgeted("our step", args.step_timeout, functools.partial(
+                our_step, smoke, args.steps, args.warmup, overrides, json_out))
         except Exception as e:  # noqa: BLE001 - recorded, and the check goes on to the next part
             out["ours"][objective] = {"failed": f"{type(e).__name__}: {e}"}
         record_part(out, markdown, "ours")
     print("4/4 speculators' step ...", flush=True)
-    theirs = speculators_step(smoke, args.steps, args.warmup, args.speculators_python,
-                              markdown.with_name(markdown.stem + "-speculators.json"),
-                              left(args.speculators_timeout)) if left(args.speculators_timeout) >= 20 else spent("speculators' step")
+    theirs = budgeted("speculators' step", args.speculators_timeout, functools.partial(
+        speculators_step, smoke, args.steps, args.warmup, args.speculators_python,
+        markdown.with_name(markdown.stem + "-speculators.json")))
     out["speculators"] = theirs
     record_part(out, markdown, "speculators")
 
