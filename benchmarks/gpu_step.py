@@ -191,7 +191,13 @@ def synthetic_batch(drafter, verifier, device, smoke: bool, seed: int = 0):
 # ------------------------------------------------------------------------------------------------ the step
 class Step:
     """The trainer's step on one packed row: anchors, forward + loss (under autocast unless bf16 weights),
-    backward, clipping, optimizer step, zero_grad."""
+    backward, clipping, optimizer step, zero_grad.
+
+    Each region's time is recorded per step in `region_s` (host seconds to issue it) and, on CUDA, `region_gpu_s`
+    (device seconds between CUDA events around it): a device time well below the step time means the GPU waits for
+    the host (launch-bound), which compiling or larger loss chunks address; the reverse means kernels dominate."""
+
+    REGIONS = ("anchors", "forward", "loss", "backward", "clip", "optimizer")
 
     def __init__(self, drafter, teacher, optimizer, objective, batch, device, autocast: bool, max_grad_norm: float):
         import torch
@@ -203,6 +209,8 @@ class Step:
         self.generator = torch.Generator().manual_seed(1)
         self.slots: list[int] = []
         self.losses: list[float] = []
+        self.region_s: list[dict[str, float]] = []
+        self.region_gpu_s: list[dict[str, float]] = []
 
     def __call__(self):
         import torch
@@ -211,23 +219,71 @@ class Step:
         from trainer.train.loss import dspark_loss
 
         b = self.batch
+        cuda = self.device.type == "cuda"
+        marks: list[tuple[float, object]] = []
+
+        def mark() -> None:
+            event = None
+            if cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            marks.append((time.perf_counter(), event))
+
+        mark()
         anchors = sample_anchors(b["loss_mask"], b["document_ids"], self.objective.max_anchors, generator=self.generator)
+        mark()
         with self.autocast():
             out = self.drafter(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
                                anchor_positions=anchors, document_ids=b["document_ids"],
                                position_ids=b["position_ids"], return_logits=False)
+            mark()
             loss, _ = dspark_loss(self.drafter, out, b["input_ids"], b["loss_mask"], b["document_ids"], anchors,
                                   b["last_hidden_state"], self.teacher, self.objective)
+        mark()
         loss.backward()
+        mark()
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad],
                                            self.max_grad_norm)
+        mark()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        mark()
+        self.losses.append(float(loss.detach()))  # synchronises: every event above has completed
+        self.region_s.append({name: marks[i + 1][0] - marks[i][0] for i, name in enumerate(self.REGIONS)})
+        if cuda:
+            self.region_gpu_s.append({name: marks[i][1].elapsed_time(marks[i + 1][1]) / 1e3
+                                      for i, name in enumerate(self.REGIONS)})
         self.slots.append(int(block_supervision(b["loss_mask"], b["document_ids"], anchors,
                                                 self.objective.block_size).sum()))
-        self.losses.append(float(loss.detach()))
         return anchors
+
+
+def region_medians(per_step: list[dict[str, float]]) -> dict[str, float] | None:
+    """Per-region median over the timed steps (None when nothing was recorded)."""
+    if not per_step:
+        return None
+    return {name: statistics.median(step[name] for step in per_step) for name in per_step[0]}
+
+
+def profile_step(step: Step, device, rows: int = 30) -> str:
+    """torch.profiler's table of one more step, ops sorted by their own device time (host time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+
+
+def compile_layers(drafter) -> None:
+    """torch.compile each decoder layer (regional compilation: the layers are identical up to their mask and
+    window, so one graph serves each layer type; the flex attention call inside is compiled with it)."""
+    for layer in drafter.layers:
+        layer.compile()
 
 
 def sync(device) -> None:
@@ -297,6 +353,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attn", default=None, choices=["flex_attention", "sdpa", "eager"],
                         help="attention backend (default: flex_attention on the GPU, sdpa in the CPU smoke)")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count (one extra step)")
+    parser.add_argument("--compile", choices=["none", "layers"], default="none",
+                        help="layers: torch.compile each decoder layer before the warm-up (default: none, eager)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step with torch.profiler and keep its top-ops table in the JSON")
     parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                         help="override a recipe key, as trainer/run.py does (e.g. --set confidence_target "
                              "sampled_restricted --set full_vocab_metrics false)")
@@ -328,6 +388,8 @@ def run(args) -> dict:
     overrides = [item for key, value in args.set for item in (f"--{key}", value)]
     drafter, verifier, teacher, optimizer, objective, run = build(smoke, device, args.bf16_weights, attn, overrides)
     batch = synthetic_batch(drafter, verifier, device, smoke)
+    if args.compile == "layers":
+        compile_layers(drafter)
     step = Step(drafter, teacher, optimizer, objective, batch, device, autocast, run.train.max_grad_norm)
     params = sum(p.numel() for p in drafter.parameters())
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -359,6 +421,8 @@ def run(args) -> dict:
                       allocated_before_steps_bytes=base_allocated)
     median = statistics.median(times)
     slots = statistics.mean(step.slots[-args.steps:])
+    regions = dict(host_s=region_medians(step.region_s[-args.steps:]),
+                   gpu_s=region_medians(step.region_gpu_s[-args.steps:]))
     tokens = batch["input_ids"].numel()
     density = mask_density(drafter, anchors, batch)
     flops = None
@@ -369,11 +433,16 @@ def run(args) -> dict:
                                if flops["attention"] else None)
         flops["mfu"] = flops["total"] / median / peak if peak else None
         flops["mfu_mask_aware"] = flops["mask_aware"] / median / peak if flops["mask_aware"] and peak else None
+    profile = None
+    if args.profile:
+        print("profiling one more step ...", flush=True)
+        profile = profile_step(step, device)
+        print(profile, flush=True)
     finite = all(math.isfinite(v) for v in step.losses)
     cfg = drafter.config
     out = dict(
         benchmark="gpu_step", smoke=smoke, recipe_overrides=overrides, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        torch=torch.__version__, precision=precision, attention=attn,
+        torch=torch.__version__, precision=precision, attention=attn, compile=args.compile,
         shape=dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
                    layer_types=cfg.transformer_layer_config["layer_types"], vocab=cfg.vocab_size,
                    draft_vocab=cfg.draft_vocab_size, block=cfg.block_size, markov_rank=cfg.markov_rank,
@@ -386,13 +455,15 @@ def run(args) -> dict:
                         if hasattr(objective, "full_vocab_metrics") else {}),
         optimizer=type(optimizer).__name__, warmup_s=warm, step_s=times, step_median_s=median,
         context_tokens_per_s=tokens / median, supervised_slots=slots, supervised_slots_per_s=slots / median,
-        memory=memory, flops=flops, mask_density=density, peak_flops=peak, losses=step.losses,
+        memory=memory, flops=flops, mask_density=density, peak_flops=peak, regions=regions, profile=profile,
+        losses=step.losses,
         losses_finite=finite, seconds=time.time() - started,
     )
     gib = 2**30
     tag = "smoke " if smoke else ""
     rows = [
-        [f"{tag}step time", median, "s", f"median of {args.steps} after {args.warmup} warm-up; {precision}; {attn}"],
+        [f"{tag}step time", median, "s", f"median of {args.steps} after {args.warmup} warm-up; {precision}; {attn}"
+         + ("; decoder layers compiled" if args.compile == "layers" else "")],
         [f"{tag}context tokens/s", tokens / median, "tokens/s", f"T = {tokens}, 1 packed row"],
         [f"{tag}supervised slots/s", slots / median, "slots/s", f"{slots:.0f} slots ({out['shape']['anchors']} anchors "
                                                                 f"x block {cfg.block_size})"],
@@ -410,6 +481,10 @@ def run(args) -> dict:
                   else "no spec peak for this device (the CPU smoke has none)"],
                  [f"{tag}MFU (mask-aware attention)", flops["mfu_mask_aware"], "share",
                   f"attention FLOPs x mask density {density['mean']:.3f}"]]
+    for name in Step.REGIONS:
+        gpu = regions["gpu_s"][name] if regions["gpu_s"] else None
+        rows.append([f"{tag}region {name}", regions["host_s"][name], "s",
+                     "host seconds to issue (median)" + (f"; {gpu:.4g} s on the device" if gpu is not None else "")])
     rows.append([f"{tag}losses finite", finite, "", f"first {step.losses[0]:.4f}, last {step.losses[-1]:.4f}"])
     out["table"] = rows
     if not finite:
