@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
+from trainer.run import compile_decoder_layers, compile_layers_enabled  # noqa: E402
 
 NAME = "gpu_step"
 # benchmarks.run --quick: 1 warm-up and 2 timed steps on a GPU; on a machine without one, the CPU smoke
@@ -279,13 +280,6 @@ def profile_step(step: Step, device, rows: int = 30) -> str:
     return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
 
 
-def compile_layers(drafter) -> None:
-    """torch.compile each decoder layer (regional compilation: the layers are identical up to their mask and
-    window, so one graph serves each layer type; the flex attention call inside is compiled with it)."""
-    for layer in drafter.layers:
-        layer.compile()
-
-
 def sync(device) -> None:
     import torch
 
@@ -353,8 +347,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attn", default=None, choices=["flex_attention", "sdpa", "eager"],
                         help="attention backend (default: flex_attention on the GPU, sdpa in the CPU smoke)")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count (one extra step)")
-    parser.add_argument("--compile", choices=["none", "layers"], default="none",
-                        help="layers: torch.compile each decoder layer before the warm-up (default: none, eager)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step with torch.profiler and keep its top-ops table in the JSON")
     parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
@@ -388,8 +380,9 @@ def run(args) -> dict:
     overrides = [item for key, value in args.set for item in (f"--{key}", value)]
     drafter, verifier, teacher, optimizer, objective, run = build(smoke, device, args.bf16_weights, attn, overrides)
     batch = synthetic_batch(drafter, verifier, device, smoke)
-    if args.compile == "layers":
-        compile_layers(drafter)
+    compiled = compile_layers_enabled(run.model.compile_layers, device)
+    if compiled:
+        compile_decoder_layers(drafter)
     step = Step(drafter, teacher, optimizer, objective, batch, device, autocast, run.train.max_grad_norm)
     params = sum(p.numel() for p in drafter.parameters())
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -442,7 +435,7 @@ def run(args) -> dict:
     cfg = drafter.config
     out = dict(
         benchmark="gpu_step", smoke=smoke, recipe_overrides=overrides, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        torch=torch.__version__, precision=precision, attention=attn, compile=args.compile,
+        torch=torch.__version__, precision=precision, attention=attn, compile_layers=compiled,
         shape=dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
                    layer_types=cfg.transformer_layer_config["layer_types"], vocab=cfg.vocab_size,
                    draft_vocab=cfg.draft_vocab_size, block=cfg.block_size, markov_rank=cfg.markov_rank,
@@ -463,7 +456,7 @@ def run(args) -> dict:
     tag = "smoke " if smoke else ""
     rows = [
         [f"{tag}step time", median, "s", f"median of {args.steps} after {args.warmup} warm-up; {precision}; {attn}"
-         + ("; decoder layers compiled" if args.compile == "layers" else "")],
+         + ("; decoder layers compiled" if compiled else "")],
         [f"{tag}context tokens/s", tokens / median, "tokens/s", f"T = {tokens}, 1 packed row"],
         [f"{tag}supervised slots/s", slots / median, "slots/s", f"{slots:.0f} slots ({out['shape']['anchors']} anchors "
                                                                 f"x block {cfg.block_size})"],

@@ -88,6 +88,7 @@ class ModelArgs:
     confidence_head_with_markov: bool = True
     sliding_window_non_causal: bool = False
     attn_implementation: str = "auto"  # auto = flex_attention on GPU, sdpa on CPU
+    compile_layers: bool | None = None  # torch.compile each draft decoder layer; None (auto) = on a GPU only
     lora_rank: int = 0  # > 0: train LoRA adapters on the draft layers (merged into every saved checkpoint)
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0

@@ -64,6 +64,13 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path, m
         return flex(module, query, *args, **kwargs)
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flex_attention", spy)
+    import modeling_dspark
+    import trainer.run
+
+    compiled = []
+    compile_layers = trainer.run.compile_decoder_layers
+    monkeypatch.setattr(trainer.run, "compile_decoder_layers", lambda d: (compiled.append(d), compile_layers(d)))
+    monkeypatch.setattr(modeling_dspark, "_COMPILED_MASK_FAILED", False)
     summary = train(RunConfig.load(None, [
         "--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir", str(tmp_path / "run"),
         "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -72,6 +79,8 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path, m
         "--learning_rate", "3e-3", "--max_steps", "20", "--eval_steps", "20", "--bf16", "auto"]))
     assert summary["global_step"] == 20
     assert seen and set(seen) == {(torch.bfloat16, "cuda")}, set(seen)
+    # and compiled: the decoder layers (model.compile_layers is auto: on a GPU) and the flex masks, no fallback
+    assert len(compiled) == 1 and not modeling_dspark._COMPILED_MASK_FAILED
     # the random chat verifier puts almost all its mass outside the draft vocabulary, so the draft-vocabulary
     # (restricted) estimate is the one that measures learning here
     import json
@@ -79,3 +88,38 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path, m
     state = json.loads((tmp_path / "run" / "checkpoint-20" / "trainer_state.json").read_text())
     evals = [h["eval_restricted_accept_len"] for h in state["log_history"] if "eval_restricted_accept_len" in h]
     assert len(evals) >= 2 and evals[-1] > evals[0]
+
+
+def test_compiled_flex_mask_and_layers_on_gpu_match_the_eager_ones(gemma4_verifier):
+    """What GPU training compiles, against the eager path: the `BlockMask` from `torch.compile(create_block_mask)`
+    has the eager one's blocks (the CPU tests check the eager one against the brute force), and compiled decoder
+    layers give the eager loss and gradients in bf16."""
+    import modeling_dspark
+    from modeling_dspark import build_attention_mask, dspark_mask_mod
+    from tiny import tiny_drafter
+    from trainer.run import compile_decoder_layers
+
+    documents = torch.zeros(1, 4096, dtype=torch.long, device="cuda")
+    documents[:, 3000:] = 1
+    anchors = torch.randperm(4000, generator=torch.Generator().manual_seed(0))[:512].sort().values.view(1, -1).cuda()
+    anchor_documents = documents.gather(1, anchors)
+    for window in (None, 2048):
+        mod = dspark_mask_mod(documents, anchors, anchor_documents, 8, window, window is not None)
+        masks = [build_attention_mask(mod, 1, 4096, 8192, torch.device("cuda"), "flex_attention", torch.float32,
+                                      compiled=compiled) for compiled in (False, True)]
+        assert not modeling_dspark._COMPILED_MASK_FAILED
+        assert torch.equal(masks[0].to_dense(), masks[1].to_dense())
+        assert torch.equal(masks[0].full_kv_num_blocks, masks[1].full_kv_num_blocks)
+
+    verifier = copy.deepcopy(gemma4_verifier).cuda()
+    drafter = tiny_drafter(verifier).cuda().to(torch.bfloat16).train()
+    drafter.config._attn_implementation = "flex_attention"
+    inputs = _inputs(verifier, drafter)
+    eager_loss, eager_grads = _loss_and_grads(drafter, *inputs)
+    compile_decoder_layers(drafter)
+    compiled_loss, compiled_grads = _loss_and_grads(drafter, *inputs)
+    assert torch.isfinite(compiled_loss) and torch.allclose(compiled_loss, eager_loss, rtol=2e-2)
+    assert set(compiled_grads) == set(eager_grads) and eager_grads
+    for name, grad in eager_grads.items():
+        cosine = torch.nn.functional.cosine_similarity(grad.flatten(), compiled_grads[name].flatten(), dim=0)
+        assert cosine > 0.99, (name, float(cosine))

@@ -4,6 +4,7 @@ conventions and bad input."""
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -321,6 +322,84 @@ def test_attention_mask_equals_brute_force(window, causal):
     flex = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "flex_attention", torch.float32)
     assert torch.equal(flex_visible(flex, 2, q, kv), expected)
     assert bool(expected.any(-1).all())  # every query sees at least itself
+
+
+@pytest.mark.slow
+def test_compiled_block_mask_equals_brute_force_or_falls_back_to_the_eager_one(monkeypatch):
+    """GPU training builds its flex masks through `torch.compile(create_block_mask)`. Whether the compiler succeeds
+    here (inductor's CPU code generation fails at these shapes on some CPUs under torch 2.13) or fails, the mask
+    is the brute force's; a failure warns once and later masks are built eagerly without trying again."""
+    monkeypatch.setattr(modeling_dspark, "_COMPILED_MASK_FAILED", False)
+    documents = torch.tensor([[0] * 12 + [1] * 9 + [-1] * 3, [0, 0, 0] + [1] * 10 + [2] * 11])
+    block = 3
+    for anchors in (torch.tensor([[0, 4, 11, 12, 15, 20, -1], [1, 3, 4, 12, 13, 16, 23]]),
+                    torch.tensor([[2, 5, 6, 13, 17, -1, -1], [0, 4, 8, 9, 14, 18, 20]])):
+        valid = anchors >= 0
+        anchor_docs = documents.gather(1, anchors.clamp(min=0)).masked_fill(~valid, -1)
+        for window, causal in ((None, False), (4, True)):
+            mod = dspark_mask_mod(documents, anchors.clamp(min=0), anchor_docs, block, window, causal)
+            q, kv = anchors.shape[1] * block, documents.shape[1] + anchors.shape[1] * block
+            failed_before = modeling_dspark._COMPILED_MASK_FAILED
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                flex = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "flex_attention", torch.float32,
+                                            compiled=True)
+            fallbacks = [w for w in caught if "masks are built eagerly from now on" in str(w.message)]
+            assert len(fallbacks) == int(modeling_dspark._COMPILED_MASK_FAILED and not failed_before)
+            assert torch.equal(flex_visible(flex, 2, q, kv), reference_mask(documents, anchors, block, window, causal))
+
+
+def test_a_failing_mask_compiler_warns_once_and_builds_the_eager_mask(monkeypatch):
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor exploded\nsecond line")
+
+    monkeypatch.setattr(modeling_dspark, "_COMPILED_MASK_FAILED", False)
+    monkeypatch.setattr(modeling_dspark, "_compiled_create_block_mask", lambda: broken)
+    documents = torch.zeros(1, 16, dtype=torch.long)
+    anchors = torch.tensor([[2, 7]])
+    mod = dspark_mask_mod(documents, anchors, torch.zeros_like(anchors), 4, None, False)
+    with pytest.warns(UserWarning, match=r"RuntimeError: inductor exploded\); masks are built eagerly"):
+        first = build_attention_mask(mod, 1, 8, 24, torch.device("cpu"), "flex_attention", torch.float32, compiled=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second attempt
+        second = build_attention_mask(mod, 1, 8, 24, torch.device("cpu"), "flex_attention", torch.float32, compiled=True)
+    assert len(calls) == 1
+    expected = reference_mask(documents, anchors, 4, None, False)
+    assert torch.equal(flex_visible(first, 1, 8, 24), expected) and torch.equal(flex_visible(second, 1, 8, 24), expected)
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_as_the_eager_ones(gemma4_verifier):
+    """`model.compile_layers` (on by default on a GPU) compiles each decoder layer in place: the forward and every
+    gradient are the eager ones, and the parameter names (what checkpoints and the exported folder hold) do not
+    change."""
+    from trainer.run import compile_decoder_layers, compile_layers_enabled
+
+    assert compile_layers_enabled(None, "cuda") and not compile_layers_enabled(None, "cpu")
+    assert compile_layers_enabled(True, "cpu") and not compile_layers_enabled(False, "cuda")
+    eager = tiny_drafter(gemma4_verifier, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    compiled = tiny_drafter(gemma4_verifier, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    compiled.load_state_dict(eager.state_dict())
+    names = list(dict(compiled.named_parameters()))
+    compile_decoder_layers(compiled)
+    assert list(dict(compiled.named_parameters())) == names and list(compiled.state_dict()) == list(eager.state_dict())
+    ids, aux, _, documents, positions, anchors = packed_batch(gemma4_verifier, eager)
+    results = []
+    for drafter in (eager, compiled):
+        drafter.train()
+        out = drafter(ids, aux, anchors, document_ids=documents, position_ids=positions)
+        valid = anchors >= 0
+        out.logits[valid].square().mean().backward()
+        results.append((out.logits[valid].detach(), {n: p.grad for n, p in drafter.named_parameters()
+                                                     if p.grad is not None}))
+    (eager_logits, eager_grads), (compiled_logits, compiled_grads) = results
+    assert torch.allclose(eager_logits, compiled_logits, atol=1e-5)
+    assert eager_grads.keys() == compiled_grads.keys() and len(eager_grads) > 10
+    for name, grad in eager_grads.items():
+        assert torch.allclose(grad, compiled_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 def test_sliding_window_is_per_query_position():
