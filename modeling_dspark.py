@@ -26,7 +26,6 @@ and saved tensors follow the speculators checkpoint format that vLLM serves, so 
 unchanged.
 """
 
-import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -121,21 +121,12 @@ def build_attention_mask(
     `compiled` builds the flex `BlockMask` through `torch.compile(create_block_mask)`: eagerly, the predicate is
     evaluated over every (query, key) pair by many small kernels (about 0.3 s on a CPU at the seed recipe's 4,096 x
     8,192), compiled it is one fused kernel. GPU training asks for it: its shapes repeat every step, so one compile
-    serves the whole run; drafting does not (its context grows by a few tokens per call). The compiled builder is
-    a speed path only: if the compiler fails (inductor's CPU code generation does at some small shapes under torch
-    2.13), one warning says so and this process builds its masks eagerly, which gives the same mask."""
+    serves the whole run; drafting does not (its context grows by a few tokens per call). If the compiler fails
+    (inductor's CPU code generation does at some small shapes under torch 2.13), `CompiledOrEager` warns once and
+    builds masks eagerly from then on: the same masks."""
     if attn_implementation == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        global _COMPILED_MASK_FAILED
-        if compiled and not _COMPILED_MASK_FAILED:
-            try:
-                return _compiled_create_block_mask()(mask_mod, batch, None, q_len, kv_len, device=device)
-            except Exception as e:  # noqa: BLE001 - any compiler failure; the eager builder below is exact
-                _COMPILED_MASK_FAILED = True
-                warnings.warn(f"compiling the flex attention mask failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160]}); masks are built eagerly from now on (same masks, "
-                              f"slower); set TORCHDYNAMO_VERBOSE=1 for the compiler's trace.", stacklevel=2)
+        if compiled:
+            return _COMPILED_CREATE_BLOCK_MASK(mask_mod, batch, None, q_len, kv_len, device=device)
         return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
     b = torch.arange(batch, device=device).view(batch, 1, 1)
     q = torch.arange(q_len, device=device).view(1, q_len, 1)
@@ -146,15 +137,33 @@ def build_attention_mask(
     return torch.zeros(dense.shape, dtype=dtype, device=device).masked_fill_(~dense, torch.finfo(dtype).min)
 
 
-_COMPILED_MASK_FAILED = False  # set once the compiled mask builder has failed in this process
+class CompiledOrEager:
+    """`fn` under `torch.compile` (built on the first call), for speed paths whose eager version computes the same
+    result: if compiling or running the compiled version fails, one warning names the cause and `fn` itself runs
+    from then on in this process. A training run is not lost to a compiler bug, and never pays for a failing
+    compile twice."""
+
+    def __init__(self, fn: Callable, what: str):
+        self.fn, self.what = fn, what
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self.fn)
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any compiler failure; the eager call below is exact
+                self.failed = True
+                first_line = (str(e).splitlines() or [""])[0][:160]
+                warnings.warn(f"compiling {self.what} failed ({type(e).__name__}: {first_line}); it runs eagerly from "
+                              f"now on (same results, slower); set TORCHDYNAMO_VERBOSE=1 for the compiler's trace.",
+                              stacklevel=2)
+        return self.fn(*args, **kwargs)
 
 
-@functools.cache
-def _compiled_create_block_mask() -> Callable:
-    """`create_block_mask` under `torch.compile`, built once per process on first use."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return torch.compile(create_block_mask)
+_COMPILED_CREATE_BLOCK_MASK = CompiledOrEager(create_block_mask, "the flex attention mask")
 
 
 def _attention_backend(config) -> str:

@@ -124,10 +124,11 @@ def step_process(label: str, command: list[str], json_out: Path, timeout: float)
 
 
 def our_step(smoke: bool, steps: int, warmup: int, overrides: list[list[str]], json_out: Path,
-             timeout: float) -> dict:
-    """`benchmarks.gpu_step` with the recipe overrides `overrides`, in a fresh process."""
+             timeout: float, profile: bool = False) -> dict:
+    """`benchmarks.gpu_step` with the recipe overrides `overrides`, in a fresh process (`profile`: its JSON also
+    holds torch.profiler's top-ops table of one more step)."""
     command = [sys.executable, "-m", "benchmarks.gpu_step", "--json", str(json_out), "--steps", str(steps),
-               "--warmup", str(warmup), *(["--cpu-smoke"] if smoke else []),
+               "--warmup", str(warmup), *(["--cpu-smoke"] if smoke else []), *(["--profile"] if profile else []),
                *[item for key, value in overrides for item in ("--set", key, value)]]
     return step_process("our step", command, json_out, timeout)
 
@@ -205,6 +206,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--speculators-timeout", type=float, default=300.0,
                         help="seconds for speculators' step, building and a retry with its eager loss included "
                              "(default 300)")
+    parser.add_argument("--speculators-loss", choices=["shipped", "eager"], default="shipped",
+                        help="speculators' loss: as it ships (its fused Triton loss on a GPU, measured again with "
+                             "the eager one if it fails), or its eager loss at once (saves the failing attempt "
+                             "where the fused one is known to fail)")
+    parser.add_argument("--profile", action="store_true",
+                        help="keep torch.profiler's top-ops table of one more step of ours in each step's JSON")
     parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds for the whole check (default 480, what a short device lease leaves): each "
                              "part's timeout is cut to what is left, and a part with under 20 s left is not started")
@@ -252,14 +259,15 @@ def run(args) -> dict:
         try:
             json_out = markdown.with_name(f"{markdown.stem}-ours-{objective}.json")
             out["ours"][objective] = budgeted("our step", args.step_timeout, functools.partial(
-                our_step, smoke, args.steps, args.warmup, overrides, json_out))
+                our_step, smoke, args.steps, args.warmup, overrides, json_out, profile=args.profile))
         except Exception as e:  # noqa: BLE001 - recorded, and the check goes on to the next part
             out["ours"][objective] = {"failed": f"{type(e).__name__}: {e}"}
         record_part(out, markdown, "ours")
     print("4/4 speculators' step ...", flush=True)
     theirs = budgeted("speculators' step", args.speculators_timeout, functools.partial(
         speculators_step, smoke, args.steps, args.warmup, args.speculators_python,
-        markdown.with_name(markdown.stem + "-speculators.json")))
+        markdown.with_name(markdown.stem + "-speculators.json"),
+        loss_implementation="eager" if args.speculators_loss == "eager" else None))
     out["speculators"] = theirs
     record_part(out, markdown, "speculators")
 
@@ -297,6 +305,11 @@ def run(args) -> dict:
                  [f"{label}: MFU vs measured rate", result["mfu_measured_rate"], "share",
                   f"{flops / 1e12:.3g} TFLOP per step counted" if flops else ""],
                  [f"{label}: MFU vs spec peak", result["mfu_spec_peak"], "share", ""]]
+        regions = (result.get("regions") or {}).get("gpu_s") or (result.get("regions") or {}).get("host_s")
+        if regions:
+            where = "device" if (result.get("regions") or {}).get("gpu_s") else "host"
+            rows.append([f"{label}: step by region", sum(regions.values()), "s", f"{where} time, median per region: " +
+                         ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in regions.items())])
     if "not_run" in theirs:
         rows.append(["speculators: step", None, "s", theirs["not_run"]])
     elif "failed" in theirs:

@@ -70,7 +70,8 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path, m
     compiled = []
     compile_layers = trainer.run.compile_decoder_layers
     monkeypatch.setattr(trainer.run, "compile_decoder_layers", lambda d: (compiled.append(d), compile_layers(d)))
-    monkeypatch.setattr(modeling_dspark, "_COMPILED_MASK_FAILED", False)
+    monkeypatch.setattr(modeling_dspark, "_COMPILED_CREATE_BLOCK_MASK",
+                        modeling_dspark.CompiledOrEager(modeling_dspark.create_block_mask, "the flex attention mask"))
     summary = train(RunConfig.load(None, [
         "--verifier", chat_verifier_dir, "--train_data", chat_data_file, "--output_dir", str(tmp_path / "run"),
         "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--head_dim", "16",
@@ -80,7 +81,7 @@ def test_bf16_training_run_on_gpu(chat_verifier_dir, chat_data_file, tmp_path, m
     assert summary["global_step"] == 20
     assert seen and set(seen) == {(torch.bfloat16, "cuda")}, set(seen)
     # and compiled: the decoder layers (model.compile_layers is auto: on a GPU) and the flex masks, no fallback
-    assert len(compiled) == 1 and not modeling_dspark._COMPILED_MASK_FAILED
+    assert len(compiled) == 1 and not modeling_dspark._COMPILED_CREATE_BLOCK_MASK.failed
     # the random chat verifier puts almost all its mass outside the draft vocabulary, so the draft-vocabulary
     # (restricted) estimate is the one that measures learning here
     import json
@@ -107,7 +108,7 @@ def test_compiled_flex_mask_and_layers_on_gpu_match_the_eager_ones(gemma4_verifi
         mod = dspark_mask_mod(documents, anchors, anchor_documents, 8, window, window is not None)
         masks = [build_attention_mask(mod, 1, 4096, 8192, torch.device("cuda"), "flex_attention", torch.float32,
                                       compiled=compiled) for compiled in (False, True)]
-        assert not modeling_dspark._COMPILED_MASK_FAILED
+        assert not modeling_dspark._COMPILED_CREATE_BLOCK_MASK.failed
         assert torch.equal(masks[0].to_dense(), masks[1].to_dense())
         assert torch.equal(masks[0].full_kv_num_blocks, masks[1].full_kv_num_blocks)
 
@@ -123,3 +124,21 @@ def test_compiled_flex_mask_and_layers_on_gpu_match_the_eager_ones(gemma4_verifi
     for name, grad in eager_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grad.flatten(), compiled_grads[name].flatten(), dim=0)
         assert cosine > 0.99, (name, float(cosine))
+
+
+def test_compiled_full_vocabulary_reduction_matches_the_eager_one():
+    """On a GPU each vocabulary chunk of the teacher's full-vocabulary pass is reduced by the compiled
+    `softcapped_max_logsumexp`: the eager values (float64 reference for the log-normaliser), the same argmax,
+    the first id on a tie, and no fallback to eager."""
+    from trainer.verifier.teacher import _FUSED_MAX_LOGSUMEXP, softcapped_max_logsumexp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, vocab in ((700, 9000), (513, 20000)):  # a second shape: the compiled reduction is reused or re-made
+        raw = (torch.randn(rows, vocab, device="cuda", generator=g) * 40).to(torch.bfloat16)
+        raw[:5, 100] = raw[:5, 7] = raw[:5].float().max() + 1  # ties: id 7 must win
+        value, index, log_z = _FUSED_MAX_LOGSUMEXP(raw.clone(), 30.0)
+        e_value, e_index, _ = softcapped_max_logsumexp(raw.clone(), 30.0)
+        reference = (torch.tanh(raw.double() / 30.0) * 30.0).logsumexp(-1)
+        assert not _FUSED_MAX_LOGSUMEXP.failed
+        assert torch.equal(index, e_index) and bool((index[:5] == 7).all())
+        assert torch.allclose(value, e_value) and torch.allclose(log_z.double(), reference, atol=1e-4, rtol=0)

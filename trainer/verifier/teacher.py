@@ -10,12 +10,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling_dspark import verifier_decoder
+from modeling_dspark import CompiledOrEager, verifier_decoder
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """At least fp32 (bf16 logits are upcast; a float64 run, as the reference tests use, stays float64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The verifier's final-logit softcap, `tanh(logits / softcap) * softcap` (Gemma), or the logits unchanged."""
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def softcapped_max_logsumexp(raw: torch.Tensor, softcap: float | None):
+    """`(max, argmax, logsumexp)` over the last dimension of the softcapped logits `raw` (the head's dtype), at
+    least in fp32: one vocabulary chunk of `Teacher.full_vocabulary`. The first id wins a tie."""
+    logits = softcapped(upcast(raw), softcap)
+    value, index = logits.max(dim=-1)
+    log_z = logits.sub_(value.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(value)
+    return value, index, log_z
+
+
+# On a GPU the reduction above runs compiled: eagerly it is about ten full passes over each [positions, chunk]
+# fp32 tensor (upcast, softcap, max, subtract, exp, sum), which at the seed recipe's shapes cost more than the
+# V x H matmul itself; compiled it reads the chunk's logits in a fused kernel or two.
+_FUSED_MAX_LOGSUMEXP = CompiledOrEager(softcapped_max_logsumexp, "the full-vocabulary reduction")
 
 
 # ------------------------------------------------------------------------------------------------ teacher
@@ -80,10 +100,7 @@ class Teacher:
     def head_logits(self, normed: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (at least fp32) of the rows `head_weight`, computed in that weight's dtype, as the
         verifier computes its own."""
-        logits = upcast(F.linear(normed.to(head_weight.dtype), head_weight))
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return softcapped(upcast(F.linear(normed.to(head_weight.dtype), head_weight)), self.softcap)
 
     @torch.no_grad()
     def logits(self, last_hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
@@ -95,7 +112,7 @@ class Teacher:
         `[n]`, from the full output head in vocabulary chunks of `chunk_elements // n` rows, so no `[n, V]` tensor
         exists. One pass per chunk: the running max gives both the argmax and the logsumexp's shift (the lowest id
         wins a tie, as argmax over the whole vocabulary does). Contiguous row slices are views of the shared head,
-        never copies."""
+        never copies. On a GPU each chunk's reduction runs compiled (`_FUSED_MAX_LOGSUMEXP`)."""
         weight = self.output_weight
         vocab, n = weight.shape[0], normed.shape[0]
         device = normed.device
@@ -105,10 +122,9 @@ class Teacher:
         best = torch.full((n,), -math.inf, device=device, dtype=dtype)
         best_id = torch.full((n,), vocab, dtype=torch.long, device=device)
         step = max(1, chunk_elements // max(n, 1))
+        reduce = _FUSED_MAX_LOGSUMEXP if device.type == "cuda" else softcapped_max_logsumexp
         for start in range(0, vocab, step):
-            logits = self.head_logits(h, weight[start : start + step])
-            value, index = logits.max(dim=-1)
-            chunk_log_z = logits.sub_(value.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(value)
+            value, index, chunk_log_z = reduce(F.linear(h, weight[start : start + step]), self.softcap)
             log_z = torch.logaddexp(log_z, chunk_log_z)
             better = value > best  # strict: an earlier chunk's (lower) id keeps a tie
             best = torch.where(better, value, best)

@@ -329,7 +329,8 @@ def test_compiled_block_mask_equals_brute_force_or_falls_back_to_the_eager_one(m
     """GPU training builds its flex masks through `torch.compile(create_block_mask)`. Whether the compiler succeeds
     here (inductor's CPU code generation fails at these shapes on some CPUs under torch 2.13) or fails, the mask
     is the brute force's; a failure warns once and later masks are built eagerly without trying again."""
-    monkeypatch.setattr(modeling_dspark, "_COMPILED_MASK_FAILED", False)
+    builder = modeling_dspark.CompiledOrEager(modeling_dspark.create_block_mask, "the flex attention mask")
+    monkeypatch.setattr(modeling_dspark, "_COMPILED_CREATE_BLOCK_MASK", builder)
     documents = torch.tensor([[0] * 12 + [1] * 9 + [-1] * 3, [0, 0, 0] + [1] * 10 + [2] * 11])
     block = 3
     for anchors in (torch.tensor([[0, 4, 11, 12, 15, 20, -1], [1, 3, 4, 12, 13, 16, 23]]),
@@ -339,13 +340,13 @@ def test_compiled_block_mask_equals_brute_force_or_falls_back_to_the_eager_one(m
         for window, causal in ((None, False), (4, True)):
             mod = dspark_mask_mod(documents, anchors.clamp(min=0), anchor_docs, block, window, causal)
             q, kv = anchors.shape[1] * block, documents.shape[1] + anchors.shape[1] * block
-            failed_before = modeling_dspark._COMPILED_MASK_FAILED
+            failed_before = builder.failed
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 flex = build_attention_mask(mod, 2, q, kv, torch.device("cpu"), "flex_attention", torch.float32,
                                             compiled=True)
-            fallbacks = [w for w in caught if "masks are built eagerly from now on" in str(w.message)]
-            assert len(fallbacks) == int(modeling_dspark._COMPILED_MASK_FAILED and not failed_before)
+            fallbacks = [w for w in caught if "it runs eagerly from now on" in str(w.message)]
+            assert len(fallbacks) == int(builder.failed and not failed_before)
             assert torch.equal(flex_visible(flex, 2, q, kv), reference_mask(documents, anchors, block, window, causal))
 
 
@@ -356,17 +357,19 @@ def test_a_failing_mask_compiler_warns_once_and_builds_the_eager_mask(monkeypatc
         calls.append(1)
         raise RuntimeError("inductor exploded\nsecond line")
 
-    monkeypatch.setattr(modeling_dspark, "_COMPILED_MASK_FAILED", False)
-    monkeypatch.setattr(modeling_dspark, "_compiled_create_block_mask", lambda: broken)
+    builder = modeling_dspark.CompiledOrEager(modeling_dspark.create_block_mask, "the flex attention mask")
+    builder.compiled = broken  # what a compiled function whose compile fails does on its first call
+    monkeypatch.setattr(modeling_dspark, "_COMPILED_CREATE_BLOCK_MASK", builder)
     documents = torch.zeros(1, 16, dtype=torch.long)
     anchors = torch.tensor([[2, 7]])
     mod = dspark_mask_mod(documents, anchors, torch.zeros_like(anchors), 4, None, False)
-    with pytest.warns(UserWarning, match=r"RuntimeError: inductor exploded\); masks are built eagerly"):
+    with pytest.warns(UserWarning, match=r"the flex attention mask failed \(RuntimeError: inductor exploded\); it "
+                                         r"runs eagerly from now on"):
         first = build_attention_mask(mod, 1, 8, 24, torch.device("cpu"), "flex_attention", torch.float32, compiled=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning, no second attempt
         second = build_attention_mask(mod, 1, 8, 24, torch.device("cpu"), "flex_attention", torch.float32, compiled=True)
-    assert len(calls) == 1
+    assert len(calls) == 1 and builder.failed
     expected = reference_mask(documents, anchors, 4, None, False)
     assert torch.equal(flex_visible(first, 1, 8, 24), expected) and torch.equal(flex_visible(second, 1, 8, 24), expected)
 
