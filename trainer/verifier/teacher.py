@@ -18,6 +18,10 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+# Vocabulary rows per full-vocabulary chunk are rounded down to a multiple of this (see `Teacher.full_vocabulary`).
+VOCAB_ALIGNMENT = 128
+
+
 def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """The verifier's final-logit softcap, `tanh(logits / softcap) * softcap` (Gemma), or the logits unchanged."""
     return torch.tanh(logits / softcap) * softcap if softcap else logits
@@ -122,6 +126,10 @@ class Teacher:
         best = torch.full((n,), -math.inf, device=device, dtype=dtype)
         best_id = torch.full((n,), vocab, dtype=torch.long, device=device)
         step = max(1, chunk_elements // max(n, 1))
+        if step >= VOCAB_ALIGNMENT:
+            # Each chunk's logits are [n, step]: a row length that is not a multiple of 8 bf16 values sends cuBLAS
+            # to a slow fallback GEMM (3.6 ms instead of about 1 ms per chunk on an H200 at the seed shapes).
+            step -= step % VOCAB_ALIGNMENT
         reduce = _FUSED_MAX_LOGSUMEXP if device.type == "cuda" else softcapped_max_logsumexp
         for start in range(0, vocab, step):
             value, index, chunk_log_z = reduce(F.linear(h, weight[start : start + step]), self.softcap)
