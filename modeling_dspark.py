@@ -119,8 +119,8 @@ def build_attention_mask(
     """Materialise `mask_mod` for the attention backend: flex `BlockMask`, sdpa bool, eager additive float.
 
     `compiled` builds the flex `BlockMask` through `torch.compile(create_block_mask)`: eagerly, the predicate is
-    evaluated over every (query, key) pair by many small kernels (about 0.3 s on a CPU at the seed recipe's 4,096 x
-    8,192), compiled it is one fused kernel. GPU training asks for it: its shapes repeat every step, so one compile
+    evaluated over every (query, key) pair by many small kernels, compiled it is one fused kernel (on an H200 at the
+    seed recipe's 4,096 x 8,192 it took the training forward from 38 to 12 ms, decoder layers compiled in both). GPU training asks for it: its shapes repeat every step, so one compile
     serves the whole run; drafting does not (its context grows by a few tokens per call). If the compiler fails
     (inductor's CPU code generation does at some small shapes under torch 2.13), `CompiledOrEager` warns once and
     builds masks eagerly from then on: the same masks."""

@@ -214,8 +214,8 @@ def build_verifier(config: RunConfig, verifier_path: str, device):
 
 
 def compile_layers_enabled(setting: bool | None, device) -> bool:
-    """`model.compile_layers`: None (auto) compiles on a GPU, where the eager step waits on kernel launches; on a
-    CPU the first step's compile costs more than a short run gains."""
+    """`model.compile_layers`: None (auto) compiles on a GPU, where it was measured to pay (benchmarks/RESULTS.md);
+    on a CPU it stays off unless asked for: no benchmark has measured it there."""
     return torch.device(device).type == "cuda" if setting is None else bool(setting)
 
 

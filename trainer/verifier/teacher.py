@@ -37,8 +37,8 @@ def softcapped_max_logsumexp(raw: torch.Tensor, softcap: float | None):
 
 
 # On a GPU the reduction above runs compiled: eagerly it is about ten full passes over each [positions, chunk]
-# fp32 tensor (upcast, softcap, max, subtract, exp, sum), which at the seed recipe's shapes cost more than the
-# V x H matmul itself; compiled it reads the chunk's logits in a fused kernel or two.
+# fp32 tensor (upcast, softcap, max, subtract, exp, sum); compiled, the chunk's logits are read by a fused kernel
+# or two.
 _FUSED_MAX_LOGSUMEXP = CompiledOrEager(softcapped_max_logsumexp, "the full-vocabulary reduction")
 
 
@@ -128,7 +128,8 @@ class Teacher:
         step = max(1, chunk_elements // max(n, 1))
         if step >= VOCAB_ALIGNMENT:
             # Each chunk's logits are [n, step]: a row length that is not a multiple of 8 bf16 values sends cuBLAS
-            # to a slow fallback GEMM (3.6 ms instead of about 1 ms per chunk on an H200 at the seed shapes).
+            # to a slow fallback GEMM (3.6 ms a chunk on an H200 at the seed shapes; aligned, the default
+            # objective's loss went from 58 to 30 ms there, benchmarks/RESULTS.md).
             step -= step % VOCAB_ALIGNMENT
         reduce = _FUSED_MAX_LOGSUMEXP if device.type == "cuda" else softcapped_max_logsumexp
         for start in range(0, vocab, step):
