@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
-from trainer.run import compile_decoder_layers, compile_layers_enabled  # noqa: E402
+from trainer.train.compilation import compile_decoder_layers, compile_layers_enabled  # noqa: E402
 
 NAME = "gpu_step"
 # benchmarks.run --quick: 1 warm-up and 2 timed steps on a GPU; on a machine without one, the CPU smoke

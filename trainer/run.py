@@ -62,6 +62,7 @@ from trainer.train.checkpoints import (
     quarantine_incomplete,
     write_summary,
 )
+from trainer.train.compilation import compile_decoder_layers, compile_layers_enabled
 from trainer.train.optim import MuonAdamWFactory
 from trainer.train.trainer import (
     DSparkTrainer,
@@ -211,22 +212,6 @@ def build_verifier(config: RunConfig, verifier_path: str, device):
     logger.info("loading the embedding, final norm and head of the verifier %s (%s); hidden states from %s",
                 m.verifier, verifier_path, t.hidden_states)
     return load_verifier_shell(verifier_path, dtype=m.verifier_dtype, device=device)
-
-
-def compile_layers_enabled(setting: bool | None, device) -> bool:
-    """`model.compile_layers`: None (auto) compiles on a GPU, where it was measured to pay (benchmarks/RESULTS.md);
-    on a CPU it stays off unless asked for: no benchmark has measured it there."""
-    return torch.device(device).type == "cuda" if setting is None else bool(setting)
-
-
-def compile_decoder_layers(drafter: DSparkDraftModel) -> None:
-    """`torch.compile` each draft decoder layer in place (`nn.Module.compile`: parameter names, checkpoints and
-    the exported folder are unchanged). Regional rather than whole-model: the layers are one graph per layer type
-    with the flex attention call fused in, while the forward around them (anchors, masks, the Markov features)
-    keeps its data-dependent Python. On the H200 at the seed recipe's shapes this took the backward from 33 to
-    23 ms and the step's peak memory from 9.99 to 8.88 GiB (benchmarks/RESULTS.md)."""
-    for layer in drafter.layers:
-        layer.compile()
 
 
 def build_models(config: RunConfig, verifier, tokenizer, vocab_ids, device) -> tuple[DSparkDraftModel, object]:

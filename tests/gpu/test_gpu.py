@@ -98,7 +98,7 @@ def test_compiled_flex_mask_and_layers_on_gpu_match_the_eager_ones(gemma4_verifi
     import modeling_dspark
     from modeling_dspark import build_attention_mask, dspark_mask_mod
     from tiny import tiny_drafter
-    from trainer.run import compile_decoder_layers
+    from trainer.train.compilation import compile_decoder_layers
 
     documents = torch.zeros(1, 4096, dtype=torch.long, device="cuda")
     documents[:, 3000:] = 1

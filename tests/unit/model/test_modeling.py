@@ -379,7 +379,7 @@ def test_compiled_layers_train_as_the_eager_ones(gemma4_verifier):
     """`model.compile_layers` (on by default on a GPU) compiles each decoder layer in place: the forward and every
     gradient are the eager ones, and the parameter names (what checkpoints and the exported folder hold) do not
     change."""
-    from trainer.run import compile_decoder_layers, compile_layers_enabled
+    from trainer.train.compilation import compile_decoder_layers, compile_layers_enabled
 
     assert compile_layers_enabled(None, "cuda") and not compile_layers_enabled(None, "cpu")
     assert compile_layers_enabled(True, "cpu") and not compile_layers_enabled(False, "cuda")
