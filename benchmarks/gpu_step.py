@@ -4,6 +4,7 @@
     python -m benchmarks.gpu_step --cpu-smoke [--json OUT]        # tiny fp32/sdpa shapes on the CPU
     python -m benchmarks.run --only gpu_step [--quick]             # --quick: 2 steps on a GPU, else the CPU smoke
     python -m benchmarks.gpu_step --json OUT --set confidence_target sampled_restricted --set full_vocab_metrics false
+    python -m benchmarks.gpu_step --json OUT --profile --set compile_layers false   # + torch.profiler's table; eager layers
 
 The drafter is configs/gemma-4-E4B-it.yaml's (read through `trainer.config.RunConfig`: hidden 2560, 4 Qwen3-style
 layers (3 sliding with window 2048 + 1 full), V = 262,144, Vd = 32,000, block 8, Markov rank 256, confidence head,
@@ -25,6 +26,12 @@ only; elementwise work is not counted). Attention is counted dense (every query 
 counter's flex and sdpa formulas do); the mask-aware figure scales the attention FLOPs by the share of
 (query, key) pairs the DSpark mask keeps. MFU = FLOPs per step / step time / the chip's dense bf16 peak from its data
 sheet (`SPEC_PEAK`, by device name; none on the CPU smoke or an unknown chip).
+
+Each region of the step (anchors, forward, loss, backward, clipping, optimizer) is timed twice, host seconds to issue
+it and, on CUDA, device seconds between events around it (`regions` in the JSON): device time well under host time
+means the GPU waits on launches. The trainer's compilation applies as in training (`trainer/train/compilation.py`:
+decoder layers compiled on a GPU unless `--set compile_layers false`; masks and the full-vocabulary reduction compiled
+where they are built).
 
 Without CUDA it is unavailable (one sentence; `benchmarks.run` skips it), unless `--cpu-smoke`, which runs the same code path on tiny
 shapes in fp32 with sdpa (flex attention's CPU backward is not supported) to check everything but the device.
