@@ -28,8 +28,9 @@ counter's flex and sdpa formulas do); the mask-aware figure scales the attention
 sheet (`SPEC_PEAK`, by device name; none on the CPU smoke or an unknown chip).
 
 Each region of the step (anchors, forward, loss, backward, clipping, optimizer) is timed twice, host seconds to issue
-it and, on CUDA, device seconds between events around it (`regions` in the JSON): device time well under host time
-means the GPU waits on launches. The trainer's compilation applies as in training (`trainer/train/compilation.py`:
+it and, on CUDA, device seconds between events around it (`regions` in the JSON): device time above host time means
+the host ran ahead (kernels bound the region); the two about equal means the GPU kept pace with the host (launches or
+a synchronisation bound it). The trainer's compilation applies as in training (`trainer/train/compilation.py`:
 decoder layers compiled on a GPU unless `--set compile_layers false`; masks and the full-vocabulary reduction compiled
 where they are built).
 
@@ -202,8 +203,9 @@ class Step:
     backward, clipping, optimizer step, zero_grad.
 
     Each region's time is recorded per step in `region_s` (host seconds to issue it) and, on CUDA, `region_gpu_s`
-    (device seconds between CUDA events around it): a device time well below the step time means the GPU waits for
-    the host (launch-bound), which compiling or larger loss chunks address; the reverse means kernels dominate."""
+    (device seconds between CUDA events around it): device time above host time means the host ran ahead and kernels
+    bound the region; the two about equal means launches or a synchronisation did, which compiling or larger loss
+    chunks address."""
 
     REGIONS = ("anchors", "forward", "loss", "backward", "clip", "optimizer")
 
