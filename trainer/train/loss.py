@@ -76,13 +76,14 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
+def _chunk_terms(plan: _LossPlan, terms, sl: slice, span: tuple[int, int], want_grad: bool):
     """One chunk of supervised slots: per-slot CE (to the teacher argmax or the data token), overlap
     `sum_{Vd} min(p, q)` and `KL = sum_{Vd} p (log p - log q)` against the training teacher, the `[n, 5]` metrics
     (full-vocabulary overlap, restricted overlap, greedy agreement with the full-vocabulary argmax, draft-vocabulary
     coverage, confidence target; the three full-vocabulary ones NaN when `plan.full` is off) and, with
     `want_grad`, the gradient of `sum_i w_i (l_ce ce_i + l_tv (1 - overlap_i) + l_kl kl_i)` w.r.t. the logits,
-    written analytically (`q - onehot`, `q s - q 1[q < p]` with `s = sum_{q < p} q`, `q sum p - p`)."""
+    written analytically (`q - onehot`, `q s - q 1[q < p]` with `s = sum_{q < p} q`, `q sum p - p`). `span` is the
+    chunk's first and last distinct position (read by the caller for every chunk at once: one synchronisation)."""
     logits = None
     for x, weight in terms:
         part = upcast(F.linear(x[sl], weight))
@@ -94,9 +95,9 @@ def _chunk_terms(plan: _LossPlan, terms, sl: slice, want_grad: bool):
     # The teacher once per distinct position of the chunk (`u`), then gathered per slot: overlapping blocks share
     # positions, and their slots sit side by side because the slots are in position order.
     at = plan.position_of_slot[sl]
-    first = int(at[0])
+    first, last = span
     u = at - first
-    log_p_u = plan.teacher.head_logits(plan.normed[first : int(at[-1]) + 1], plan.head_weight)
+    log_p_u = plan.teacher.head_logits(plan.normed[first : last + 1], plan.head_weight)
     t_arg_u = log_p_u.argmax(dim=-1)
     log_z_u = torch.logsumexp(log_p_u, dim=-1)
     log_p_u.sub_(log_z_u.unsqueeze(-1))  # in place: the draft-vocabulary log-probabilities
@@ -178,9 +179,14 @@ class _DraftLoss(torch.autograd.Function):
         grads = [torch.zeros(t.shape, device=t.device, dtype=upcast(t).dtype) if g else None
                  for t, g in zip(flat, grad_for)]
         pieces = []
-        for start in range(0, slots, plan.rows):
+        starts = range(0, slots, plan.rows)
+        # each chunk's first and last distinct position, read from the device once for all chunks
+        ends = [min(start + plan.rows, slots) - 1 for start in starts]
+        at = torch.tensor([*starts, *ends], device=plan.position_of_slot.device)
+        spans = plan.position_of_slot[at].view(2, -1).t().tolist()
+        for start, span in zip(starts, spans):
             sl = slice(start, start + plan.rows)
-            ce, overlap, kl, metrics, g = _chunk_terms(plan, terms, sl, want)
+            ce, overlap, kl, metrics, g = _chunk_terms(plan, terms, sl, tuple(span), want)
             pieces.append((ce, overlap, kl, metrics))
             if g is not None:
                 for j, (x, weight) in enumerate(terms):
@@ -290,7 +296,8 @@ def dspark_loss(
     tv = 1.0 - overlap
 
     def grid(values: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(rows, n_anchors, B, device=device, dtype=values.dtype)
+        """Per-slot values (`[S, ...]`) on the `[R, N, B, ...]` block grid, zero at unsupervised slots."""
+        out = torch.zeros(rows, n_anchors, B, *values.shape[1:], device=device, dtype=values.dtype)
         out[idx] = values
         return out
 
@@ -307,32 +314,37 @@ def dspark_loss(
         total = sum((p.float().sum() for p in drafter.parameters() if p.requires_grad), torch.zeros((), device=device)) * 0.0
     loss = total / max(S, 1)
 
+    # The statistics are a few whole-tensor reductions, in float64 (sums over a whole evaluation stay exact enough,
+    # and a float64 run keeps its precision): no per-slot-index loop and no boolean indexing, each of which would
+    # cost a launch and a device synchronisation on a GPU (they made the loss host-bound there).
     with torch.no_grad():
-        valid_blocks = supervised[..., 0]
-        sup = supervised.float()
-        survival = grid(acceptance).cumprod(dim=-1)  # masked slots are 0 and end the chain
-        restricted_survival = grid(restricted).cumprod(dim=-1)
-        greedy_run = grid(greedy).cumprod(dim=-1).sum(-1)
-        target_survival = grid(conf_target).cumprod(dim=-1)
+        f64 = torch.float64
+        valid_blocks = supervised[..., 0]  # slots are supervised as a prefix: a block is valid iff its slot 0 is
+        per_slot = torch.stack([acceptance, restricted, greedy, conf_target, pred], dim=-1).to(f64)  # [S, 5]
+        on_grid = grid(per_slot)  # [R, N, B, 5]; unsupervised slots are 0 and end every chain
+        chains = on_grid.cumprod(dim=2)
+        survival, target_survival, pred_chain = chains[..., 0], chains[..., 3], chains[..., 4]
         # prod_{j<=k} sigmoid(c_j) - prod_{j<=k} target_j, at every supervised slot (zero without a head)
-        bias = (grid(pred).cumprod(dim=-1) - target_survival) * sup if has_head else torch.zeros_like(sup)
-        n_blocks = valid_blocks.sum()
-        conf_abs = (pred - conf_target).abs().sum() if has_head else torch.zeros((), device=device, dtype=dtype)
-        head = [
-            torch.tensor(float(S), device=device, dtype=dtype), n_blocks, loss.detach() * S,
-            (weights * ce).sum().detach(), (weights * tv).sum().detach(), (weights * kl).sum().detach(),
-            (weights * bce).sum().detach(), (1.0 + survival.sum(-1))[valid_blocks].sum(),
-            (1.0 + greedy_run)[valid_blocks].sum(), acceptance.sum(), greedy.sum(),
-            (1.0 + restricted_survival.sum(-1))[valid_blocks].sum(), restricted.sum(), coverage.sum(),
-            conf_target.sum(), (1.0 + target_survival.sum(-1))[valid_blocks].sum(), conf_abs, pred.sum(), bias.sum(),
-        ]
-        per_k = []
-        for k in range(B):
-            at_k = slot == k
-            per_k += [at_k.sum(), acceptance[at_k].sum(), greedy[at_k].sum(), survival[..., k][valid_blocks].sum(),
-                      pred[at_k].sum(), conf_target[at_k].sum(), bias[..., k].sum()]
-        # float64: sums over a whole evaluation stay exact enough, and a float64 run keeps its precision
-        stats = torch.stack([x.to(torch.float64) for x in head + per_k])
+        bias = (pred_chain - target_survival) * supervised if has_head else torch.zeros_like(survival)
+        # 1 + sum_k prod_{j<=k} x_j per valid block, summed: acceptance, restricted, greedy, target
+        lengths = torch.where(valid_blocks.unsqueeze(-1), 1.0 + chains[..., :4].sum(dim=2), 0.0).sum(dim=(0, 1))
+        sums = torch.stack([weights * ce, weights * tv, weights * kl, weights * bce.detach(), acceptance, greedy,
+                            restricted, coverage, conf_target, (pred - conf_target).abs(), pred],
+                           dim=-1).to(f64).sum(dim=0)
+        w_ce, w_tv, w_kl, w_bce, acc_sum, greedy_sum, restricted_sum, coverage_sum, target_sum, abs_sum, pred_sum = \
+            sums.unbind()
+        head = torch.stack([
+            torch.tensor(float(S), device=device, dtype=f64), valid_blocks.sum().to(f64), loss.detach().to(f64) * S,
+            w_ce, w_tv, w_kl, w_bce, lengths[0], lengths[2], acc_sum, greedy_sum, lengths[1], restricted_sum,
+            coverage_sum, target_sum, lengths[3], abs_sum if has_head else torch.zeros((), device=device, dtype=f64),
+            pred_sum, bias.sum(),
+        ])
+        # per slot index k, in `stat_names` order: slots, acceptance, greedy, survival (invalid blocks hold 0),
+        # prediction, target, cumulative-product bias
+        at_k = on_grid.sum(dim=(0, 1))  # [B, 5]
+        per_k = torch.stack([supervised.sum(dim=(0, 1)).to(f64), at_k[:, 0], at_k[:, 2], survival.sum(dim=(0, 1)),
+                             at_k[:, 4], at_k[:, 3], bias.sum(dim=(0, 1))], dim=-1)
+        stats = torch.cat([head, per_k.reshape(-1)])
     if not return_blocks:
         return loss, stats
     blocks = {"supervised": supervised, "target": grid(conf_target.detach()),
