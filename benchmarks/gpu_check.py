@@ -224,6 +224,17 @@ def unavailable(args) -> str | None:
     return None
 
 
+def region_rows(label: str, result: dict) -> list[list]:
+    """The "step by region" row of one step's JSON: device time per region where it was measured, else host time."""
+    recorded = result.get("regions") or {}
+    regions = recorded.get("gpu_s") or recorded.get("host_s")
+    if not regions:
+        return []
+    where = "device" if recorded.get("gpu_s") else "host"
+    return [[f"{label}: step by region", sum(regions.values()), "s", f"{where} time, median per region: " +
+             ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in regions.items())]]
+
+
 def run(args) -> dict:
     smoke = args.cpu_smoke
     if args.quick:
@@ -305,11 +316,7 @@ def run(args) -> dict:
                  [f"{label}: MFU vs measured rate", result["mfu_measured_rate"], "share",
                   f"{flops / 1e12:.3g} TFLOP per step counted" if flops else ""],
                  [f"{label}: MFU vs spec peak", result["mfu_spec_peak"], "share", ""]]
-        regions = (result.get("regions") or {}).get("gpu_s") or (result.get("regions") or {}).get("host_s")
-        if regions:
-            where = "device" if (result.get("regions") or {}).get("gpu_s") else "host"
-            rows.append([f"{label}: step by region", sum(regions.values()), "s", f"{where} time, median per region: " +
-                         ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in regions.items())])
+        rows += region_rows(label, result)
     if "not_run" in theirs:
         rows.append(["speculators: step", None, "s", theirs["not_run"]])
     elif "failed" in theirs:
@@ -330,6 +337,7 @@ def run(args) -> dict:
                  ["speculators: MFU vs measured rate", theirs["mfu_measured_rate"], "share",
                   f"{flops / 1e12:.3g} TFLOP per step counted" if flops else
                   (theirs.get("flops") or {}).get("failed", "not counted")]]
+        rows += region_rows("speculators", theirs)
         for objective, result in out["ours"].items():
             if "step_median_s" in result:
                 ours_memory = result.get("memory", {}).get("peak_allocated_bytes")

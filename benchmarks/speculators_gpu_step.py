@@ -140,6 +140,7 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
     import torch
     from speculators.train.optimizers import build_optimizers
 
+    from benchmarks.gpu_step import region_medians
     from benchmarks.speculators_recipe import build_from_argv, speculators_trainer_config
 
     if not smoke and not torch.cuda.is_available():
@@ -166,17 +167,39 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
     autocast = contextlib.nullcontext if smoke else (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
     params = list(model.parameters())
     losses: list[float] = []
+    region_s: list[dict[str, float]] = []
+    region_gpu_s: list[dict[str, float]] = []
+    # Our step's regions where speculators has them: its forward returns the loss (anchors, forward and loss are
+    # one call), so that is one region here.
+    names = ("forward and loss", "backward", "clip", "optimizer")
 
     def step() -> None:
+        marks: list[tuple[float, object]] = []
+
+        def mark() -> None:
+            event = None
+            if device.type == "cuda":
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            marks.append((time.perf_counter(), event))
+
+        mark()
         with autocast():
             _, loss, _metrics = model(**batch, **train_kwargs)
         for opt in optimizers:
             opt.zero_grad()
+        mark()
         loss.backward()
+        mark()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
+        mark()
         for opt in optimizers:
             opt.step()
-        losses.append(float(loss.detach()))
+        mark()
+        losses.append(float(loss.detach()))  # synchronises: every event above has completed
+        region_s.append({name: marks[i + 1][0] - marks[i][0] for i, name in enumerate(names)})
+        if device.type == "cuda":
+            region_gpu_s.append({name: marks[i][1].elapsed_time(marks[i + 1][1]) / 1e3 for i, name in enumerate(names)})
 
     def timed(n: int) -> list[float]:
         """Seconds of each of `n` steps, the device synchronised around each."""
@@ -197,6 +220,7 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
         torch.cuda.reset_peak_memory_stats(device)
     print(f"timing: {steps} steps ...", flush=True)
     times = timed(steps)
+    regions = {"host_s": region_medians(region_s[-steps:]), "gpu_s": region_medians(region_gpu_s[-steps:])}
     memory = {}
     if device.type == "cuda":
         memory = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
@@ -223,6 +247,7 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
         "precision": "fp32 (CPU smoke)" if smoke else "fp32 master weights + torch.autocast(cuda, bfloat16)",
         "optimizers": [type(o).__name__ for o in optimizers],
         "warmup_s": warm, "step_s": times, "step_median_s": median, "context_tokens_per_s": shape["tokens"] / median,
+        "regions": regions,
         "memory": memory, "flops": counted, "losses": losses, "losses_finite": finite,
         "seconds": time.time() - started,
     }

@@ -206,9 +206,13 @@ def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_ta
     assert theirs["losses_finite"] and theirs["step_median_s"] > 0 and theirs["optimizers"] == ["Muon", "AdamW"]
     assert (theirs["attention"], theirs["loss_implementation"]) == ("sdpa", "eager")
     assert theirs["shape"]["block_size"] == 8 and theirs["flops"]["total"] > 0
+    # speculators' step by region, as ours (its forward returns the loss: one region)
+    assert list(theirs["regions"]["host_s"]) == ["forward and loss", "backward", "clip", "optimizer"]
+    assert all(seconds > 0 for seconds in theirs["regions"]["host_s"].values()) and theirs["regions"]["gpu_s"] is None
     table = (tmp_path / "gpu_check.md").read_text().splitlines()
     assert table[0] == "| measurement | value | unit | note |" and len(table) == len(data["table"]) + 2
     assert any(line.startswith("| ours, default objective: step |") for line in table)
+    assert any(line.startswith("| speculators: step by region |") for line in table)
     speedup = [line for line in table if line.startswith("| step speedup vs speculators, default objective |")]
     assert len(speedup) == 1 and float(speedup[0].split("|")[2]) == pytest.approx(
         theirs["step_median_s"] / default["step_median_s"], rel=1e-3)
