@@ -110,6 +110,19 @@ def cli(main: Callable[[], None]) -> None:
         sys.exit(1)
 
 
+def write_speculators_vocab_mapping(directory: Path, draft_ids: torch.Tensor, vocab_size: int) -> None:
+    """The draft vocabulary as speculators' `--d2t-path` / `--t2d-path` read it: `d2t.npy`, each draft id's offset
+    to its verifier id (`draft_ids` sorted ascending), and `t2d.npy`, a `[vocab_size]` bool mask of the verifier ids
+    in the draft vocabulary."""
+    import numpy as np
+
+    draft_ids = draft_ids.to(torch.long)
+    np.save(directory / "d2t.npy", (draft_ids - torch.arange(draft_ids.numel())).numpy())
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    np.save(directory / "t2d.npy", t2d.numpy())
+
+
 def vllm_python_argument(parser) -> None:
     """`--vllm-python`: the vLLM environment's python that starts the servers (`make vllm-env` creates it)."""
     parser.add_argument("--vllm-python", default=os.environ.get("DSPARK_VLLM_PYTHON",

@@ -148,10 +148,7 @@ def prepare(work: Path, overrides: list[str]) -> dict:
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     save_file({**flat, "offsets": offsets}, str(data / "rows.safetensors"))
-    np.save(data / "d2t.npy", (draft_ids - torch.arange(draft_ids.numel())).numpy())
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[draft_ids] = True
-    np.save(data / "t2d.npy", t2d.numpy())
+    common.write_speculators_vocab_mapping(data, draft_ids, vocab)
     m = config.model
     epochs = config.train.num_train_epochs
     shape = {**{k: getattr(m, k) for k in SHAPE_KEYS}, "total_seq_length": config.data.total_seq_length,

@@ -45,7 +45,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # this package is not installed beside speculators
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import LOSS_WEIGHTS, BenchmarkError, fail, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    LOSS_WEIGHTS,
+    BenchmarkError,
+    fail,
+    write_json,
+    write_speculators_vocab_mapping,
+)
 from trainer.errors import Parser, run_cli  # noqa: E402
 
 RECIPE = ROOT / "configs" / "gemma-4-E4B-it.yaml"
@@ -53,7 +59,6 @@ RECIPE = ROOT / "configs" / "gemma-4-E4B-it.yaml"
 
 def write_inputs(directory: Path, smoke: bool) -> dict:
     """The verifier folder, the draft decoder's config and the vocabulary mappings speculators' CLI reads."""
-    import numpy as np
     import torch
     from safetensors.torch import save_file
 
@@ -84,10 +89,7 @@ def write_inputs(directory: Path, smoke: bool) -> dict:
 
     draft_vocab = ours.draft_vocab_size
     ids = torch.randperm(text.vocab_size, generator=torch.Generator().manual_seed(0))[:draft_vocab].sort().values
-    np.save(directory / "d2t.npy", (ids - torch.arange(draft_vocab)).numpy())
-    t2d = torch.zeros(text.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    np.save(directory / "t2d.npy", t2d.numpy())
+    write_speculators_vocab_mapping(directory, ids, text.vocab_size)
     return {"verifier": str(verifier), "draft_config": str(draft_config), "draft_vocab_size": draft_vocab,
             "block_size": ours.block_size, "markov_rank": ours.markov_rank, "mask_token_id": ours.mask_token_id,
             "aux_hidden_state_layer_ids": list(ours.aux_hidden_state_layer_ids),
