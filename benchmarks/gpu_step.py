@@ -32,7 +32,9 @@ it and, on CUDA, device seconds between events around it (`regions` in the JSON)
 the host ran ahead (kernels bound the region); the two about equal means the GPU kept pace with the host (launches or
 a synchronisation bound it). The trainer's compilation applies as in training (`trainer/train/compilation.py`:
 decoder layers compiled on a GPU unless `--set compile_layers false`; masks and the full-vocabulary reduction compiled
-where they are built).
+where they are built). `--profile` profiles one more step: torch.profiler's top-ops table, and one table per region
+(`profile_regions`) of the operations that started in it, by the device time of what they launched, so a region's
+time can be read down to its operations.
 
 Without CUDA it is unavailable (one sentence; `benchmarks.run` skips it), unless `--cpu-smoke`, which runs the same code path on tiny
 shapes in fp32 with sdpa (flex attention's CPU backward is not supported) to check everything but the device.
@@ -58,6 +60,7 @@ from trainer.errors import UsageError  # noqa: E402
 from trainer.train.compilation import compile_decoder_layers, compile_layers_enabled  # noqa: E402
 
 NAME = "gpu_step"
+REGION_LABEL = "dspark-region:"  # torch.profiler ranges around the step's regions
 # benchmarks.run --quick: 1 warm-up and 2 timed steps on a GPU; on a machine without one, the CPU smoke
 QUICK_ARGS = ["--quick"] if torch.cuda.is_available() else ["--quick", "--cpu-smoke"]
 RECIPE = os.path.join(ROOT, "configs", "gemma-4-E4B-it.yaml")
@@ -232,12 +235,20 @@ class Step:
         cuda = self.device.type == "cuda"
         marks: list[tuple[float, object]] = []
 
+        ranges: list = []
+
         def mark() -> None:
             event = None
             if cuda:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record()
             marks.append((time.perf_counter(), event))
+            # a labelled range per region, which `profile_step` splits its table by (a no-op unless profiling)
+            if ranges:
+                ranges.pop().__exit__(None, None, None)
+            if len(marks) <= len(self.REGIONS):
+                ranges.append(torch.profiler.record_function(REGION_LABEL + self.REGIONS[len(marks) - 1]))
+                ranges[-1].__enter__()
 
         mark()
         anchors = sample_anchors(b["loss_mask"], b["document_ids"], self.objective.max_anchors, generator=self.generator)
@@ -276,8 +287,11 @@ def region_medians(per_step: list[dict[str, float]]) -> dict[str, float] | None:
     return {name: statistics.median(step[name] for step in per_step) for name in per_step[0]}
 
 
-def profile_step(step: Step, device, rows: int = 30) -> str:
-    """torch.profiler's table of one more step, ops sorted by their own device time (host time on the CPU)."""
+def profile_step(step: Step, device, rows: int = 30, region_rows: int = 12) -> tuple[str, dict[str, str]]:
+    """torch.profiler's table of one more step, ops sorted by their own device time (host time on the CPU), and one
+    table per region of the step: the top-level operations that started inside the region (on any thread, so the
+    autograd engine's backward ops count in `backward`), by the device time of everything they launched (on the
+    CPU, their host time)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -286,7 +300,46 @@ def profile_step(step: Step, device, rows: int = 30) -> str:
         step()
         sync(device)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+    return table, region_tables(prof.events(), cuda, region_rows)
+
+
+def region_tables(events, cuda: bool, rows: int) -> dict[str, str]:
+    """Per region (`REGION_LABEL` ranges), the operations that started inside it and have no parent operation:
+    name, calls, milliseconds (device time of all they launched on CUDA, host time on the CPU)."""
+    spans = {e.name[len(REGION_LABEL):]: (e.time_range.start, e.time_range.end)
+             for e in events if e.name.startswith(REGION_LABEL)}
+    totals: dict[str, dict[str, list]] = {name: {} for name in spans}  # name -> [calls, ms, nested]
+
+    def add(ops: dict, key: str, event, nested: bool = False) -> None:
+        entry = ops.setdefault(key, [0, 0.0, nested])
+        entry[0] += 1
+        entry[1] += (event.device_time_total if cuda else event.cpu_time_total) / 1e3
+
+    for e in events:
+        if e.cpu_parent is not None and not e.cpu_parent.name.startswith(REGION_LABEL):
+            continue  # counted in its parent's total
+        if e.name.startswith(REGION_LABEL) or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for name, (start, end) in spans.items():
+            if start <= e.time_range.start < end:
+                add(totals[name], e.name, e)
+                # a Python-level operation (the loss's autograd Function, an optimizer step, a compiled region) is
+                # opened one level too, its children rows prefixed with its name (they are inside its total)
+                if not e.name.startswith(("aten::", "autograd::")):
+                    for child in e.cpu_children:
+                        add(totals[name], f"{e.name} > {child.name}", child, nested=True)
+                break
+    tables = {}
+    for name, ops in totals.items():
+        ranked = sorted(ops.items(), key=lambda item: -item[1][1])
+        top = [v for v in ops.values() if not v[2]]
+        lines = [f"{'operation':<90} {'calls':>6} {'ms':>9}"]
+        lines += [f"{op[:90]:<90} {calls:>6} {ms:>9.3f}" for op, (calls, ms, _) in ranked[:rows]]
+        lines.append(f"{'all, ' + str(len(top)) + ' kinds of operation':<90} {sum(v[0] for v in top):>6} "
+                     f"{sum(v[1] for v in top):>9.3f}")
+        tables[name] = "\n".join(lines)
+    return tables
 
 
 def sync(device) -> None:
@@ -357,7 +410,8 @@ def add_arguments(parser) -> None:
                         help="attention backend (default: flex_attention on the GPU, sdpa in the CPU smoke)")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count (one extra step)")
     parser.add_argument("--profile", action="store_true",
-                        help="profile one more step with torch.profiler and keep its top-ops table in the JSON")
+                        help="profile one more step with torch.profiler and keep its top-ops table in the JSON, with one "
+                             "table per region of the step (`profile_regions`)")
     parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                         help="override a recipe key, as trainer/run.py does (e.g. --set confidence_target "
                              "sampled_restricted --set full_vocab_metrics false)")
@@ -435,11 +489,13 @@ def run(args) -> dict:
                                if flops["attention"] else None)
         flops["mfu"] = flops["total"] / median / peak if peak else None
         flops["mfu_mask_aware"] = flops["mask_aware"] / median / peak if flops["mask_aware"] and peak else None
-    profile = None
+    profile = profile_regions = None
     if args.profile:
         print("profiling one more step ...", flush=True)
-        profile = profile_step(step, device)
+        profile, profile_regions = profile_step(step, device)
         print(profile, flush=True)
+        for name, table in profile_regions.items():
+            print(f"region {name}:\n{table}", flush=True)
     finite = all(math.isfinite(v) for v in step.losses)
     cfg = drafter.config
     out = dict(
@@ -458,6 +514,7 @@ def run(args) -> dict:
         optimizer=type(optimizer).__name__, warmup_s=warm, step_s=times, step_median_s=median,
         context_tokens_per_s=tokens / median, supervised_slots=slots, supervised_slots_per_s=slots / median,
         memory=memory, flops=flops, mask_density=density, peak_flops=peak, regions=regions, profile=profile,
+        profile_regions=profile_regions,
         losses=step.losses,
         losses_finite=finite, seconds=time.time() - started,
     )

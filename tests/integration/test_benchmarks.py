@@ -224,6 +224,24 @@ def test_make_gpu_check_cpu_smoke_runs_every_part_and_writes_one_json_and_one_ta
     assert "   ours: default: step " in proc.stdout and "   speculators: as it ships: step " in proc.stdout
 
 
+def test_gpu_step_profile_splits_the_step_by_region(tmp_path):
+    """`gpu_step --profile`: besides the whole-step table, one table per region of the step, holding what ran in that
+    region: the loss's autograd Function in `loss` (opened one level), the autograd engine's ops in `backward`, the
+    optimizer step in `optimizer`, and never one region's operation in another's."""
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_step", "--cpu-smoke", "--quick", "--profile",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tables = json.loads(out.read_text())["profile_regions"]
+    assert list(tables) == ["anchors", "forward", "loss", "backward", "clip", "optimizer"]
+    rows = {name: [line.rsplit(None, 2)[0] for line in table.splitlines()[1:-1]] for name, table in tables.items()}
+    assert "_DraftLoss" in rows["loss"] and any(r.startswith("_DraftLoss > aten::") for r in rows["loss"])
+    assert rows["backward"] and all(r.startswith("autograd::engine::evaluate_function") for r in rows["backward"])
+    assert any(r.startswith("Optimizer.step#MuonWithAdamW.step") for r in rows["optimizer"])
+    assert "_DraftLoss" not in rows["forward"] and "aten::_foreach_norm" in rows["clip"]
+    assert "aten::linear" in rows["forward"] and "aten::argsort" in rows["anchors"]
+
+
 def test_gpu_check_starts_no_part_that_its_budget_cannot_hold(tmp_path):
     """A device lease is short: with its --budget spent, the check starts nothing more, says so per part and fails,
     after writing what it has."""
