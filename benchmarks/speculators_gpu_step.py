@@ -26,9 +26,10 @@ step. One packed row of T = 4096 tokens, one document whose first 512 tokens are
 
 The CPU smoke (`--cpu-smoke`) runs the same path at `benchmarks.gpu_step.SMOKE`'s shapes in fp32 with sdpa and the
 eager loss (flex attention's backward and Triton need a GPU), Newton-Schulz in float32, to check the script.
-Writes one JSON: step times (median), each step's regions (its model call, which returns the loss; backward; clipping;
-optimizer) in host and, on CUDA, device time, as `benchmarks.gpu_step` times ours, tokens/s, peak CUDA memory, FLOPs of one extra step (FlopCounterMode; its
-failure under the compiled path is recorded, not fatal) and the losses.
+Writes one JSON: step times (median), each step's regions (its model call, which returns the loss; backward;
+clipping; optimizer) in host and, on CUDA, device time, as `benchmarks.gpu_step` times ours, tokens/s, peak CUDA
+memory, FLOPs of one extra step (FlopCounterMode; its failure under the compiled path is recorded, not fatal) and the
+losses.
 """
 
 from __future__ import annotations
