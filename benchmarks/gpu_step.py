@@ -232,23 +232,8 @@ class Step:
         from trainer.train.loss import dspark_loss
 
         b = self.batch
-        cuda = self.device.type == "cuda"
-        marks: list[tuple[float, object]] = []
-
-        ranges: list = []
-
-        def mark() -> None:
-            event = None
-            if cuda:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-            marks.append((time.perf_counter(), event))
-            # a labelled range per region, which `profile_step` splits its table by (a no-op unless profiling)
-            if ranges:
-                ranges.pop().__exit__(None, None, None)
-            if len(marks) <= len(self.REGIONS):
-                ranges.append(torch.profiler.record_function(REGION_LABEL + self.REGIONS[len(marks) - 1]))
-                ranges[-1].__enter__()
+        clock = RegionClock(self.REGIONS, self.device.type == "cuda")
+        mark = clock.mark
 
         mark()
         anchors = sample_anchors(b["loss_mask"], b["document_ids"], self.objective.max_anchors, generator=self.generator)
@@ -271,13 +256,46 @@ class Step:
         self.optimizer.zero_grad(set_to_none=True)
         mark()
         self.losses.append(float(loss.detach()))  # synchronises: every event above has completed
-        self.region_s.append({name: marks[i + 1][0] - marks[i][0] for i, name in enumerate(self.REGIONS)})
-        if cuda:
-            self.region_gpu_s.append({name: marks[i][1].elapsed_time(marks[i + 1][1]) / 1e3
-                                      for i, name in enumerate(self.REGIONS)})
+        host, gpu = clock.seconds()
+        self.region_s.append(host)
+        if gpu is not None:
+            self.region_gpu_s.append(gpu)
         self.slots.append(int(block_supervision(b["loss_mask"], b["document_ids"], anchors,
                                                 self.objective.block_size).sum()))
         return anchors
+
+
+class RegionClock:
+    """Times the consecutive regions of one step: `mark()` at the start of the first region and after each one.
+    Records host seconds between marks and, on CUDA, device seconds between events recorded at them; each region is
+    also a labelled torch.profiler range (`REGION_LABEL` + name), which `profile_step` splits its table by (a no-op
+    unless profiling). One clock per step, for our step and speculators' alike."""
+
+    def __init__(self, names: tuple[str, ...], cuda: bool):
+        self.names, self.cuda = names, cuda
+        self.marks: list[tuple[float, object]] = []
+        self.range = None
+
+    def mark(self) -> None:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((time.perf_counter(), event))
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
+        if len(self.marks) <= len(self.names):
+            self.range = torch.profiler.record_function(REGION_LABEL + self.names[len(self.marks) - 1])
+            self.range.__enter__()
+
+    def seconds(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """Host seconds per region, and device seconds on CUDA (else None); call after a synchronisation."""
+        m = self.marks
+        host = {name: m[i + 1][0] - m[i][0] for i, name in enumerate(self.names)}
+        gpu = ({name: m[i][1].elapsed_time(m[i + 1][1]) / 1e3 for i, name in enumerate(self.names)}
+               if self.cuda else None)
+        return host, gpu
 
 
 def region_medians(per_step: list[dict[str, float]]) -> dict[str, float] | None:

@@ -144,7 +144,7 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
     import torch
     from speculators.train.optimizers import build_optimizers
 
-    from benchmarks.gpu_step import region_medians
+    from benchmarks.gpu_step import RegionClock, region_medians
     from benchmarks.speculators_recipe import build_from_argv, speculators_trainer_config
 
     if not smoke and not torch.cuda.is_available():
@@ -178,14 +178,8 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
     names = ("forward and loss", "backward", "clip", "optimizer")
 
     def step() -> None:
-        marks: list[tuple[float, object]] = []
-
-        def mark() -> None:
-            event = None
-            if device.type == "cuda":
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-            marks.append((time.perf_counter(), event))
+        clock = RegionClock(names, device.type == "cuda")
+        mark = clock.mark
 
         mark()
         with autocast():
@@ -201,9 +195,10 @@ def run(smoke: bool, steps: int, warmup: int, flops: bool, loss_implementation: 
             opt.step()
         mark()
         losses.append(float(loss.detach()))  # synchronises: every event above has completed
-        region_s.append({name: marks[i + 1][0] - marks[i][0] for i, name in enumerate(names)})
-        if device.type == "cuda":
-            region_gpu_s.append({name: marks[i][1].elapsed_time(marks[i + 1][1]) / 1e3 for i, name in enumerate(names)})
+        host, gpu = clock.seconds()
+        region_s.append(host)
+        if gpu is not None:
+            region_gpu_s.append(gpu)
 
     def timed(n: int) -> list[float]:
         """Seconds of each of `n` steps, the device synchronised around each."""
