@@ -146,6 +146,10 @@ class TrainArgs:
     warmup_ratio: float = 0.04
     max_grad_norm: float = 1.0
     max_anchors: int = 512  # per document
+    # true: training blocks anchor on every token of a conversation (prompts, system and tool turns too), each
+    # toward the verifier's distribution there; validation stays on the replies. Pays off on small data sets
+    # (the SmolLM2 demo: benchmarks/RESULTS.md); with it, raise max_anchors so the replies keep their share.
+    train_on_prompts: bool = False
     loss_weights: dict = field(default_factory=lambda: dict(DEFAULT_LOSS_WEIGHTS))
     confidence_weight: float = 1.0
     decay_gamma: float = 4.0
@@ -358,7 +362,7 @@ class RunConfig:
         """The loss settings; `block_size` is the trained drafter's (the run config's before it exists)."""
         t = self.train
         return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
-                               loss_weights=dict(t.loss_weights), confidence_weight=t.confidence_weight,
+                               train_on_prompts=t.train_on_prompts, loss_weights=dict(t.loss_weights), confidence_weight=t.confidence_weight,
                                decay_gamma=t.decay_gamma, ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements,
                                teacher_vocab=t.teacher_vocab, confidence_target=t.confidence_target,
                                full_vocab_metrics=t.full_vocab_metrics)
@@ -510,6 +514,8 @@ class ObjectiveConfig:
 
     block_size: int = 8
     max_anchors: int = 512
+    # Training also supervises the prompts' tokens (trainer/train/anchors.py, training_loss_mask); evaluation never.
+    train_on_prompts: bool = False
     loss_weights: dict = field(default_factory=lambda: dict(DEFAULT_LOSS_WEIGHTS))
     confidence_weight: float = 1.0
     decay_gamma: float = 4.0

@@ -193,6 +193,44 @@ def test_non_finite_loss_stops_before_the_update(chat_verifier_dir, chat_data_fi
     assert all(torch.isfinite(w.float()).all() for w in weights.values())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("on_prompts", [False, True])
+def test_train_on_prompts_anchors_training_blocks_on_prompt_tokens_and_never_evaluation_blocks(
+        chat_verifier_dir, chat_data_file, tmp_path, monkeypatch, on_prompts):
+    import trainer.train.trainer as dt
+
+    calls = []  # per loss call: training?, the data's mask, the mask the loss got, its anchors, the document ids
+    real_loss, real_step = dt.dspark_loss, dt.DSparkTrainer._loss
+
+    def step(self, model, inputs, *args, **kwargs):
+        calls.append({"training": model.training, "data": inputs["loss_mask"].clone(), "docs": inputs["document_ids"]})
+        return real_step(self, model, inputs, *args, **kwargs)
+
+    def loss(drafter, outputs, input_ids, loss_mask, document_ids, anchors, *args, **kwargs):
+        calls[-1].update(given=loss_mask.clone(), anchors=anchors.clone())
+        return real_loss(drafter, outputs, input_ids, loss_mask, document_ids, anchors, *args, **kwargs)
+
+    monkeypatch.setattr(dt.DSparkTrainer, "_loss", step)
+    monkeypatch.setattr(dt, "dspark_loss", loss)
+    train(config(chat_verifier_dir, chat_data_file, tmp_path / "run", "--max_steps", "6", "--eval_steps", "6",
+                 "--train_on_prompts", str(on_prompts).lower(), "--calibrate_confidence", "false"))
+    training = [c for c in calls if c["training"]]
+    evaluation = [c for c in calls if not c["training"]]
+    assert len(training) == 6 and evaluation
+    for c in calls:
+        real = c["anchors"][c["anchors"] >= 0]
+        rows = (c["anchors"] >= 0).nonzero()[:, 0]
+        target_supervised = c["data"][rows, real + 1].bool()  # what the data supervises at each slot 0's target
+        if c["training"] and on_prompts:
+            assert torch.equal(c["given"], (c["docs"] >= 0).to(c["given"].dtype))
+            assert not target_supervised.all(), "no training block anchored on a prompt token"
+        else:
+            assert torch.equal(c["given"], c["data"]) and target_supervised.all()
+    if on_prompts:  # blocks still anchor on the replies as well
+        assert any(c["data"][(c["anchors"] >= 0).nonzero()[:, 0], c["anchors"][c["anchors"] >= 0] + 1].bool().any()
+                   for c in training)
+
+
 def test_too_little_supervision_is_explained(chat_verifier_dir, tmp_path):
     data = tmp_path / "tiny.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},

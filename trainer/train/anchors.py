@@ -1,6 +1,6 @@
-"""Which blocks are trained (docs/algorithm.md): anchor candidates and their sampling (up to N per document, on
-supervised positions), the block supervision mask and the per-position decay `exp(-k/gamma)`. Training and the
-teacher-forced evaluation both sample anchors here.
+"""Which blocks are trained (docs/algorithm.md): the supervised tokens (the replies, or every token), anchor
+candidates and their sampling (up to N per document, on supervised positions), the block supervision mask and the
+per-position decay `exp(-k/gamma)`. Training and the teacher-forced evaluation both sample anchors here.
 """
 
 import torch
@@ -9,6 +9,21 @@ from modeling_dspark import index_within_runs
 
 
 # ------------------------------------------------------------------------------------------------ anchors
+def training_loss_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, on_prompts: bool) -> torch.Tensor:
+    """The tokens a training step supervises: the data's `loss_mask` (the replies), or with `on_prompts` every
+    token of every document (prompts, system and tool turns too).
+
+    Why prompts help: the teacher is the verifier's distribution, which exists at every position, so a prompt
+    token is as valid a training target as a reply token. On a small training set the replies alone are learnt
+    by heart within a few epochs; the prompts' text (passages to summarise, code, documents a reply quotes) is more
+    of the same language and gives the drafter more to generalise from (benchmarks/RESULTS.md measures it on the
+    SmolLM2 demo). Evaluation keeps the replies' mask: replies are what a served drafter proposes.
+    """
+    if not on_prompts:
+        return loss_mask
+    return (document_ids >= 0).to(loss_mask.dtype)
+
+
 def anchor_candidates(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
     """`[R, T]` bool: position p can anchor a block iff the token slot 0 predicts (p+1) is supervised and in
     the same document as p."""

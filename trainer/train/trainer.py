@@ -3,7 +3,8 @@
 One training step (`compute_loss`):
 
     states  = source.states(batch)                       trainer/states/source.py  (frozen verifier, no grad)
-    anchors = sample_anchors(loss_mask, document_ids)    trainer/train/loss.py      (fresh every step)
+    anchors = sample_anchors(loss_mask, document_ids)    trainer/train/anchors.py  (fresh every step; the replies'
+                                                                                  tokens, or every token)
     out     = model(input_ids, states.aux, anchors, ...) modeling_dspark.py        (drafter forward)
     loss    = dspark_loss(drafter, out, ..., teacher)    trainer/train/loss.py      (chunked CE/TV + confidence)
 
@@ -38,7 +39,7 @@ from trainer.errors import (
 )
 from trainer.states.memory import MemoryRowCache
 from trainer.states.source import HiddenStateSource
-from trainer.train.anchors import sample_anchors
+from trainer.train.anchors import sample_anchors, training_loss_mask
 from trainer.train.calibration import unfold_head
 from trainer.train.checkpoints import (
     ADAPTER_DIR,
@@ -103,7 +104,10 @@ class DSparkTrainer(Trainer):
     def _loss(self, model, inputs, return_blocks: bool = False):
         states = (self.train_source if model.training else self.eval_source).states(inputs)
         device = inputs["input_ids"].device
-        anchors = sample_anchors(inputs["loss_mask"], inputs["document_ids"], self.objective.max_anchors,
+        # Training may also supervise the prompts; evaluation measures the replies, what a served drafter proposes.
+        loss_mask = training_loss_mask(inputs["loss_mask"], inputs["document_ids"],
+                                       model.training and self.objective.train_on_prompts)
+        anchors = sample_anchors(loss_mask, inputs["document_ids"], self.objective.max_anchors,
                                  generator=None if model.training else self._eval_generator)
         outputs = model(
             input_ids=inputs["input_ids"],
@@ -116,7 +120,7 @@ class DSparkTrainer(Trainer):
         # Evaluation always reports the full-vocabulary metrics (the best checkpoint is chosen on them).
         objective = self.objective if model.training else dataclasses.replace(self.objective, full_vocab_metrics=True)
         return dspark_loss(
-            self.drafter(model), outputs, inputs["input_ids"], inputs["loss_mask"], inputs["document_ids"], anchors,
+            self.drafter(model), outputs, inputs["input_ids"], loss_mask, inputs["document_ids"], anchors,
             states.last_hidden_state.to(device), self.source.teacher(), objective,
             **({"return_blocks": True} if return_blocks else {}),  # the plain call stays the plain signature
             **({"full_vocabulary": states.full_vocabulary} if states.full_vocabulary is not None else {}),
