@@ -261,8 +261,10 @@ ATTRIBUTION = {
               ["--decay_gamma", "4"]),
     "confidence": ("speculators' confidence target: sampled_restricted (ours: greedy)",
                    ["--confidence_target", "sampled_restricted"]),
-    "anchors": ("speculators' anchor count: 512 (ours: 64 per document; 512 takes every candidate of these rows)",
+    "anchors": ("speculators' anchor count: 512 (ours: 128 per document; 512 takes every candidate of these rows)",
                 ["--max_anchors", "512"]),
+    "prompts": ("speculators' supervised tokens: the replies only (ours: every token in training, train_on_prompts)",
+                ["--train_on_prompts", "false"]),
     "last": ("speculators' checkpoint choice: the last step (ours: the best validation accept_len)", None),
 }
 

@@ -265,6 +265,9 @@ def test_recipes_load_and_the_seed_recipe_is_exact():
     demo = RunConfig.load(os.path.join(ROOT, "configs", "smollm2-135m.yaml"))
     # The flagship keeps the published seed recipe's loss; a run that names none gets the package's measured default.
     assert demo.train.loss_weights == {"kl": 0.5, "tv": 0.5} and demo.objective().loss_weights == {"kl": 0.5, "tv": 0.5}
+    # The demo trains on the prompts' tokens too (measured on its 243 conversations); the package default does not.
+    assert demo.objective().train_on_prompts and demo.objective().max_anchors == 128
+    assert not seed.objective().train_on_prompts
 
 
 @pytest.mark.slow
