@@ -363,7 +363,8 @@ class RunConfig:
         t = self.train
         return ObjectiveConfig(block_size=block_size or self.model.block_size, max_anchors=t.max_anchors,
                                train_on_prompts=t.train_on_prompts, loss_weights=dict(t.loss_weights),
-                               confidence_weight=t.confidence_weight, decay_gamma=t.decay_gamma, ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements,
+                               confidence_weight=t.confidence_weight, decay_gamma=t.decay_gamma,
+                               ce_target=t.ce_target, chunk_elements=t.loss_chunk_elements,
                                teacher_vocab=t.teacher_vocab, confidence_target=t.confidence_target,
                                full_vocab_metrics=t.full_vocab_metrics)
 
