@@ -218,17 +218,15 @@ def test_train_on_prompts_anchors_training_blocks_on_prompt_tokens_and_never_eva
     evaluation = [c for c in calls if not c["training"]]
     assert len(training) == 6 and evaluation
     for c in calls:
-        real = c["anchors"][c["anchors"] >= 0]
-        rows = (c["anchors"] >= 0).nonzero()[:, 0]
-        target_supervised = c["data"][rows, real + 1].bool()  # what the data supervises at each slot 0's target
+        rows, anchors = (c["anchors"] >= 0).nonzero(as_tuple=True)
+        c["reply_targets"] = c["data"][rows, c["anchors"][rows, anchors] + 1].bool()  # the data's mask at slot 0's target
         if c["training"] and on_prompts:
             assert torch.equal(c["given"], (c["docs"] >= 0).to(c["given"].dtype))
-            assert not target_supervised.all(), "no training block anchored on a prompt token"
+            assert not c["reply_targets"].all(), "no training block anchored on a prompt token"
         else:
-            assert torch.equal(c["given"], c["data"]) and target_supervised.all()
+            assert torch.equal(c["given"], c["data"]) and c["reply_targets"].all()
     if on_prompts:  # blocks still anchor on the replies as well
-        assert any(c["data"][(c["anchors"] >= 0).nonzero()[:, 0], c["anchors"][c["anchors"] >= 0] + 1].bool().any()
-                   for c in training)
+        assert any(c["reply_targets"].any() for c in training)
 
 
 def test_too_little_supervision_is_explained(chat_verifier_dir, tmp_path):
